@@ -1,0 +1,774 @@
+"""JSON schema -> regex (or, where a string needs an intersection, an interegular FSM).
+
+What is generated is always a subset of what the schema accepts, chosen so that the subset is
+still useful: properties in declared order, no undeclared properties, bounded nesting for free
+JSON values. A keyword that constrains instances but that the converter cannot enforce exactly
+raises GrammarCompileError naming it; annotations and unknown (non-vocabulary) keywords are
+ignored, as validators ignore them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+
+from strand.constrained.errors import GrammarCompileError
+from strand.constrained.fsm import check_deadline, literal_char, regex_to_char_fsm
+
+# One JSON string character: unescaped, a short escape, or a \u escape outside the surrogate
+# range (so the decoded length equals the number of units, which minLength/maxLength count).
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+SAFE_CHAR = r'[^"\\\x00-\x1f]'  # characters that stand for themselves inside a JSON string
+STRING = '"' + STRING_CHAR + '*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+FRAC = r"(?:\.[0-9]+)?"
+ZERO_FRAC = r"(?:\.0+)?"
+NONZERO_FRAC = r"\.[0-9]*[1-9][0-9]*"
+
+_DATE = r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,20}[A-Za-z0-9])?"
+_URI_CHARS = r"(?:[A-Za-z0-9._~:/?#@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
+_IPV4_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": r"[A-Za-z0-9_+-]+(?:\.[A-Za-z0-9_+-]+)*@" + _LABEL + r"(?:\." + _LABEL + r")+",
+    "hostname": _LABEL + r"(?:\." + _LABEL + r")*",
+    "ipv4": _IPV4_OCTET + r"(?:\." + _IPV4_OCTET + r"){3}",
+    "uri": r"[a-z][a-z0-9+.-]*://" + _LABEL + r"(?:\." + _LABEL + r")*(?:/[A-Za-z0-9._~-]*)*",
+    "uri-reference": r"(?:[a-z][a-z0-9+.-]*://" + _LABEL + r"(?:\." + _LABEL + r")*)?(?:/[A-Za-z0-9._~-]*)*",
+}
+# Formats a validator may check that we cannot generate: refuse. Others are unknown to
+# validators (int32, binary, ...) and so assert nothing.
+KNOWN_UNSUPPORTED_FORMATS = {
+    "idn-email", "idn-hostname", "ipv6", "iri", "iri-reference", "uri-template", "regex",
+    "json-pointer", "relative-json-pointer", "duration", "color",
+}
+
+ANNOTATIONS = {
+    "title", "description", "examples", "default", "$schema", "$id", "id", "$comment", "$anchor",
+    "deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema",
+    "$defs", "definitions", "$vocabulary", "$dynamicAnchor", "$recursiveAnchor",
+}
+# Vocabulary keywords never enforced here (others have conditions, checked where they apply).
+REFUSED = {"not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
+           "$dynamicRef", "$recursiveRef"}
+TYPE_KEYWORDS = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties", "propertyNames", "dependencies", "dependentRequired", "unevaluatedProperties"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "unevaluatedItems"},
+}
+ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+class _Never:
+    """The empty language (e.g. a recursive $ref past the unroll depth)."""
+
+    def __repr__(self):
+        return "NEVER"
+
+
+NEVER = _Never()
+
+
+def regex_escape(s: str) -> str:
+    return "".join(literal_char(c) if not c.isalnum() or ord(c) < 0x20 else c for c in s)
+
+
+def json_literal(value) -> str:
+    return regex_escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+# --- the regex/FSM algebra ---------------------------------------------------------------
+
+
+def _fsm(p):
+    return regex_to_char_fsm(p) if isinstance(p, str) else p
+
+
+def seq(*parts):
+    if any(p is NEVER for p in parts):
+        return NEVER
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)
+    from interegular.fsm import FSM
+
+    return FSM.concatenate(*[_fsm(p) for p in parts if not (isinstance(p, str) and p == "")])
+
+
+def alt(*parts):
+    parts = [p for p in parts if p is not NEVER]
+    uniq = list(dict.fromkeys(p for p in parts if isinstance(p, str))) + [p for p in parts if not isinstance(p, str)]
+    if not uniq:
+        return NEVER
+    if len(uniq) == 1:
+        return uniq[0]
+    if all(isinstance(p, str) for p in uniq):
+        return "(?:" + "|".join(uniq) + ")"
+    from interegular.fsm import FSM
+
+    return FSM.union(*[_fsm(p) for p in uniq])
+
+
+def opt(p):
+    if p is NEVER or (isinstance(p, str) and p == ""):
+        return ""
+    if isinstance(p, str):
+        return "(?:" + p + ")?"
+    return alt("", p)
+
+
+def rep(p, lo: int, hi: int | None):
+    if p is NEVER:
+        return "" if lo == 0 else NEVER
+    if isinstance(p, str):
+        if hi is None:
+            return "(?:" + p + ")" + ("*" if lo == 0 else "+" if lo == 1 else "{%d,}" % lo)
+        if lo == hi == 1:
+            return p
+        return "(?:" + p + "){%d,%d}" % (lo, hi) if lo != hi else "(?:" + p + "){%d}" % lo
+    parts = [p] * lo
+    if hi is None:
+        parts.append(p.star())
+    else:
+        parts += [opt(p)] * (hi - lo)
+    return seq(*parts) if parts else ""
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+
+def _same_len_range(a: str, b: str) -> str:
+    """Regex for decimal strings of equal length n between a and b (inclusive)."""
+    if a == b:
+        return a
+    n = len(a)
+    if n == 1:
+        return f"[{a}-{b}]"
+    if a[0] == b[0]:
+        return a[0] + _same_len_range(a[1:], b[1:])
+    if a[1:] == "0" * (n - 1) and b[1:] == "9" * (n - 1):
+        return f"[{a[0]}-{b[0]}][0-9]{{{n - 1}}}"
+    out = [a[0] + _same_len_range(a[1:], "9" * (n - 1))]
+    lo, hi = int(a[0]) + 1, int(b[0]) - 1
+    if lo <= hi:
+        out.append((f"[{lo}-{hi}]" if lo < hi else str(lo)) + f"[0-9]{{{n - 1}}}")
+    out.append(b[0] + _same_len_range("0" * (n - 1), b[1:]))
+    return "(?:" + "|".join(out) + ")"
+
+
+def int_range(lo: int, hi: int | None):
+    """Regex for the decimal (no leading zeros) integers in [lo, hi], 0 <= lo; hi None = inf."""
+    if hi is not None and lo > hi:
+        return NEVER
+    out = []
+    top = len(str(hi)) if hi is not None else len(str(lo))
+    for n in range(len(str(lo)), top + 1):
+        a = max(lo, 10 ** (n - 1) if n > 1 else 0)
+        b = min(hi, 10**n - 1) if hi is not None else 10**n - 1
+        if a <= b:
+            out.append(_same_len_range(str(a), str(b)))
+    if hi is None:
+        n = len(str(lo))
+        out.append(f"[1-9][0-9]{{{n},}}")
+    return alt(*out)
+
+
+def signed_int_range(lo: int | None, hi: int | None):
+    parts = []
+    if hi is None or hi >= 0:
+        parts.append(int_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        mag_lo = 1 if hi is None or hi >= 0 else -hi
+        parts.append(seq("-", int_range(mag_lo, -lo if lo is not None else None)))
+    return alt(*parts)
+
+
+def _mag_range(a: int, a_excl: bool, b: int | None, b_excl: bool):
+    """Regex for decimal magnitudes m (int part, optional fraction) with a <(=) m <(=) b."""
+    if b is not None and (a > b or (a == b and (a_excl or b_excl))):
+        return NEVER
+    if b is not None and a == b:
+        return str(a) + ZERO_FRAC
+    parts = [str(a) + (NONZERO_FRAC if a_excl else FRAC)]
+    mid = int_range(a + 1, None if b is None else b - 1)
+    if mid is not NEVER:
+        parts.append(seq(mid, FRAC))
+    if b is not None and not b_excl:
+        parts.append(str(b) + ZERO_FRAC)
+    return alt(*parts)
+
+
+def number_range(lo: int | None, lo_excl: bool, hi: int | None, hi_excl: bool):
+    """Decimal numbers (no exponent) in the interval; bounds are integers or None."""
+    parts = []
+    if hi is None or hi > 0 or (hi == 0 and not hi_excl):
+        if lo is not None and lo >= 0:
+            parts.append(_mag_range(lo, lo_excl, hi, hi_excl))
+        else:
+            parts.append(_mag_range(0, False, hi, hi_excl))
+    if lo is None or lo < 0:
+        if hi is None or hi >= 0:
+            m_lo, m_lo_excl = 0, True
+        else:
+            m_lo, m_lo_excl = -hi, hi_excl
+        m_hi = -lo if lo is not None else None
+        parts.append(seq("-", _mag_range(m_lo, m_lo_excl, m_hi, lo_excl)))
+    return alt(*parts)
+
+
+# --- the converter -------------------------------------------------------------------------
+
+
+class JsonSchemaConverter:
+    def __init__(self, whitespace: str = "compact", max_depth: int = 3, max_ws: int = 4, deadline: float | None = None,
+                 max_ref_unroll: int = 2):
+        self.max_depth = max_depth
+        self.deadline = deadline
+        self.max_ref_unroll = max_ref_unroll
+        if whitespace == "compact":
+            w, self.colon, self.comma = "", ":", ","
+        elif whitespace == "spaced":
+            w, self.colon, self.comma = "", ": ", ", "
+        else:
+            w = r"[ \t\n]{0,%d}" % max_ws
+            self.colon, self.comma = w + ":" + w, w + "," + w
+        self.lbrace, self.rbrace = r"\{" + w, w + r"\}"
+        self.lbracket, self.rbracket = r"\[" + w, w + r"\]"
+        self.root: dict = {}
+
+    def convert(self, schema):
+        self.root = schema if isinstance(schema, dict) else {}
+        out = self.node(schema, (), self.max_depth)
+        if out is NEVER:
+            raise GrammarCompileError("json: the schema accepts no value this compiler can generate "
+                                      "(e.g. a required recursive $ref deeper than the unroll limit)")
+        return out
+
+    # -- dispatch --
+
+    def node(self, schema, refs: tuple, depth: int):
+        check_deadline(self.deadline)
+        if schema is True or schema == {}:
+            return self.any_value(depth)
+        if schema is False:
+            return NEVER
+        if not isinstance(schema, dict):
+            raise GrammarCompileError(f"json: a schema must be an object or boolean, got {type(schema).__name__}")
+        bad = REFUSED & schema.keys()
+        if bad:
+            raise GrammarCompileError(f"json: keyword {sorted(bad)[0]!r} is not supported")
+        if "$ref" in schema:
+            return self.ref(schema, refs, depth)
+        if "allOf" in schema:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for branch in schema["allOf"]:
+                merged = self.merge(merged, self.deref(branch, refs))
+            return self.node(merged, refs, depth)
+        if "anyOf" in schema or "oneOf" in schema:
+            return self.alternatives(schema, refs, depth)
+        if "enum" in schema or "const" in schema:
+            return self.literals(schema)
+        types = schema.get("type")
+        if types is None:
+            present = [t for t in ALL_TYPES if TYPE_KEYWORDS.get(t, set()) & schema.keys()]
+            if "integer" in present and "number" in present:
+                present.remove("integer")
+            if not present:
+                return self.any_value(depth)
+            types = present
+        if isinstance(types, str):
+            types = [types]
+        if "number" in types and "integer" in types:
+            types = [t for t in types if t != "integer"]
+        return alt(*[self.typed(t, schema, refs, depth) for t in types])
+
+    def typed(self, t: str, s: dict, refs: tuple, depth: int):
+        if t == "string":
+            return self.string(s)
+        if t == "integer":
+            return self.integer(s)
+        if t == "number":
+            return self.number(s)
+        if t == "boolean":
+            return "(?:true|false)"
+        if t == "null":
+            return "null"
+        if t == "object":
+            return self.object(s, refs, depth)
+        if t == "array":
+            return self.array(s, refs, depth)
+        raise GrammarCompileError(f"json: unknown type {t!r}")
+
+    # -- references and combinators --
+
+    def resolve(self, ref: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GrammarCompileError(f"json: $ref {ref!r} is not supported (only local '#/...' references)")
+        target = self.root
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                raise GrammarCompileError(f"json: $ref {ref!r} cannot be resolved")
+        return target
+
+    def deref(self, schema, refs: tuple):
+        """Inline a top-level $ref (for merging), leaving nested ones alone."""
+        seen = 0
+        while isinstance(schema, dict) and "$ref" in schema and seen < 16:
+            target = self.resolve(schema["$ref"])
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            schema = self.merge(target if isinstance(target, dict) else {"allOf": [target]}, rest) if rest else target
+            seen += 1
+        return schema
+
+    def ref(self, schema: dict, refs: tuple, depth: int):
+        r = schema["$ref"]
+        if refs.count(r) >= self.max_ref_unroll:
+            return NEVER  # recursion cut: this branch is not generated
+        target = self.resolve(r)
+        rest = {k: v for k, v in schema.items() if k != "$ref" and k not in ANNOTATIONS}
+        if rest:  # siblings of $ref: enforce both (valid under every draft)
+            if target is False:
+                return NEVER
+            target = self.merge(target if isinstance(target, dict) else {}, rest)
+        return self.node(target, refs + (r,), depth)
+
+    def alternatives(self, schema: dict, refs: tuple, depth: int):
+        if "anyOf" in schema and "oneOf" in schema:
+            raise GrammarCompileError("json: 'anyOf' together with 'oneOf' in one schema is not supported")
+        key = "anyOf" if "anyOf" in schema else "oneOf"
+        rest = {k: v for k, v in schema.items() if k != key and k not in ANNOTATIONS}
+        branches = []
+        for b in schema[key]:
+            if rest:
+                b = self.merge(dict(rest), self.deref(b, refs))
+            branches.append(b)
+        if key == "oneOf" and len(branches) > 1:
+            self.check_disjoint([self.deref(b, refs) for b in branches])
+        return alt(*[self.node(b, refs, depth) for b in branches])
+
+    def check_disjoint(self, branches: list) -> None:
+        """oneOf is enforced only when no instance can satisfy two branches: the branches' JSON
+        types are disjoint, their enum/const literals are, or they are objects told apart by a
+        required property with disjoint const/enum values."""
+        type_sets = [self.possible_types(b) for b in branches]
+        if all(not (type_sets[i] & type_sets[j]) for i in range(len(branches)) for j in range(i)):
+            return
+        lits = [self.literal_set(b) for b in branches]
+        if all(ls is not None for ls in lits):
+            keys = [{json.dumps(v, sort_keys=True) for v in ls} for ls in lits]
+            if all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i)):
+                return
+        if all(isinstance(b, dict) and type_sets[i] <= {"object"} for i, b in enumerate(branches)):
+            common = set.intersection(*[set(b.get("required", [])) for b in branches])
+            for prop in common:
+                vals = [self.literal_set(self.deref(b.get("properties", {}).get(prop, {}), ())) for b in branches]
+                if all(v is not None for v in vals):
+                    keys = [{json.dumps(x, sort_keys=True) for x in v} for v in vals]
+                    if all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i)):
+                        return
+        raise GrammarCompileError("json: 'oneOf' with branches that may overlap is not supported (use anyOf)")
+
+    def possible_types(self, s) -> set:
+        if not isinstance(s, dict):
+            return set(ALL_TYPES) if s is not False else set()
+        if "const" in s or "enum" in s:
+            vals = [s["const"]] if "const" in s else list(s["enum"])
+            return {_type_of(v) for v in vals}
+        t = s.get("type")
+        if t is None:
+            return set(ALL_TYPES)
+        ts = {t} if isinstance(t, str) else set(t)
+        if "number" in ts:
+            ts.add("integer")
+        return ts
+
+    def literal_set(self, s):
+        if isinstance(s, dict):
+            if "const" in s:
+                return [s["const"]]
+            if "enum" in s:
+                return list(s["enum"])
+        return None
+
+    def merge(self, a, b):
+        """Conjunction of two schemas as one schema, for allOf / siblings; refuses what it
+        cannot express."""
+        if b is True or b == {}:
+            return a
+        if a is True or a == {}:
+            return b
+        if a is False or b is False:
+            return False
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            raise GrammarCompileError("json: 'allOf' with a non-object schema is not supported")
+        out = dict(a)
+        for k, v in b.items():
+            if k in ANNOTATIONS:
+                out.setdefault(k, v)
+                continue
+            if k not in out or out[k] == v:
+                out[k] = v
+            elif k == "properties":
+                props = dict(out[k])
+                for name, sub in v.items():
+                    props[name] = self.merge(props[name], sub) if name in props else sub
+                out[k] = props
+            elif k == "required":
+                out[k] = list(dict.fromkeys(list(out[k]) + list(v)))
+            elif k == "type":
+                ta = {out[k]} if isinstance(out[k], str) else set(out[k])
+                tb = {v} if isinstance(v, str) else set(v)
+                both = (ta & tb) | ({"integer"} if ("integer" in ta and "number" in tb) or ("number" in ta and "integer" in tb) else set())
+                if not both:
+                    return False
+                out[k] = sorted(both)
+            elif k in ("minimum", "minLength", "minItems", "minProperties"):
+                out[k] = max(out[k], v)
+            elif k in ("maximum", "maxLength", "maxItems", "maxProperties"):
+                out[k] = min(out[k], v)
+            elif k == "enum":
+                out[k] = [x for x in out[k] if x in v]
+            elif k in ("allOf",):
+                out[k] = list(out[k]) + list(v)
+            elif k == "items" and isinstance(v, dict) and isinstance(out[k], dict):
+                out[k] = self.merge(out[k], v)
+            elif k == "additionalProperties" and isinstance(v, (dict, bool)) and isinstance(out[k], (dict, bool)):
+                out[k] = self.merge(out[k], v)
+            elif k in ("anyOf", "oneOf"):
+                out["allOf"] = list(out.get("allOf", [])) + [{k: v}]
+            else:
+                raise GrammarCompileError(f"json: cannot merge keyword {k!r} across 'allOf' branches")
+        # additionalProperties: false in one branch forbids the other branch's properties
+        for x, y in ((a, b), (b, a)):
+            if isinstance(x, dict) and x.get("additionalProperties") is False and isinstance(y, dict):
+                extra = set(y.get("properties", {})) - set(x.get("properties", {}))
+                if extra:
+                    raise GrammarCompileError("json: 'allOf' branches where one has additionalProperties false "
+                                              f"and the other adds properties {sorted(extra)} are not supported")
+        return out
+
+    # -- literals --
+
+    def literals(self, s: dict):
+        vals = [s["const"]] if "const" in s else list(s["enum"])
+        if "const" in s and "enum" in s:
+            vals = [v for v in vals if v in s["enum"]]
+        rest = {k: v for k, v in s.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
+        if rest:
+            from jsonschema.validators import validator_for
+
+            probe = dict(rest)
+            for k in ("definitions", "$defs"):
+                if k in self.root:
+                    probe[k] = self.root[k]
+            try:
+                v = validator_for(self.root)(probe)
+                vals = [x for x in vals if v.is_valid(x)]
+            except Exception as e:
+                raise GrammarCompileError(f"json: cannot check enum/const against sibling keywords: {e}") from None
+        return alt(*[json_literal(v) for v in vals])
+
+    # -- scalars --
+
+    def string(self, s: dict):
+        lo = int(s.get("minLength", 0))
+        hi = s.get("maxLength")
+        hi = int(hi) if hi is not None else None
+        if hi is not None and hi < lo:
+            return NEVER
+        fmt = s.get("format")
+        pattern = s.get("pattern")
+        fmt_re = None
+        if fmt is not None:
+            if fmt in FORMATS:
+                fmt_re = FORMATS[fmt]
+            elif fmt in KNOWN_UNSUPPORTED_FORMATS:
+                raise GrammarCompileError(f"json: format {fmt!r} is not supported")
+        if pattern is None and fmt_re is None:
+            return '"' + rep(STRING_CHAR, lo, hi) + '"'
+        if pattern is None and lo == 0 and hi is None:
+            return '"' + fmt_re + '"'
+        # Intersection of the pattern (search semantics), the format and the length, over
+        # characters that need no escape.
+        fsm = regex_to_char_fsm(SAFE_CHAR + "*")
+        if pattern is not None:
+            fsm = fsm & regex_to_char_fsm(self.pattern_regex(pattern))
+        if fmt_re is not None:
+            fsm = fsm & regex_to_char_fsm(fmt_re)
+        if lo or hi is not None:
+            fsm = fsm & regex_to_char_fsm(rep(SAFE_CHAR, lo, hi))
+        check_deadline(self.deadline)
+        if fsm.empty():
+            return NEVER
+        return seq('"', fsm, '"')
+
+    @staticmethod
+    def pattern_regex(pattern: str) -> str:
+        """A JSON-schema pattern (unanchored search) as a full-match regex over safe chars."""
+        from strand.constrained.fsm import _ends_with_dollar, _has_top_level_bar
+
+        start = pattern.startswith("^")
+        end = _ends_with_dollar(pattern)
+        body = pattern
+        if (start or end) and _has_top_level_bar(pattern):
+            raise GrammarCompileError(f"json: pattern {pattern!r}: anchors with a top-level '|' are not supported")
+        if start:
+            body = body[1:]
+        if end:
+            body = body[:-1]
+        body = "(?:" + body + ")"
+        return ("" if start else SAFE_CHAR + "*") + body + ("" if end else SAFE_CHAR + "*")
+
+    def bounds(self, s: dict):
+        lo, lo_excl, hi, hi_excl = s.get("minimum"), False, s.get("maximum"), False
+        emin, emax = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
+        if emin is True:
+            lo_excl = True
+        elif isinstance(emin, (int, float)) and not isinstance(emin, bool):
+            if lo is None or emin >= lo:
+                lo, lo_excl = emin, True
+        if emax is True:
+            hi_excl = True
+        elif isinstance(emax, (int, float)) and not isinstance(emax, bool):
+            if hi is None or emax <= hi:
+                hi, hi_excl = emax, True
+        for v in (lo, hi):
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+                raise GrammarCompileError(f"json: numeric bound {v!r} is not a finite number")
+        return lo, lo_excl, hi, hi_excl
+
+    def integer(self, s: dict):
+        mult = s.get("multipleOf")
+        if mult is not None and not (isinstance(mult, (int, float)) and float(mult) == 1.0):
+            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult}) is not supported")
+        lo, lo_excl, hi, hi_excl = self.bounds(s)
+        if lo is None and hi is None:
+            return INTEGER
+        ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl else math.ceil(lo))
+        ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl else math.floor(hi))
+        if ilo is not None and ihi is not None and ilo > ihi:
+            return NEVER
+        return signed_int_range(ilo, ihi)
+
+    def number(self, s: dict):
+        mult = s.get("multipleOf")
+        if mult is not None:
+            if isinstance(mult, (int, float)) and float(mult) == 1.0:
+                return self.integer({k: v for k, v in s.items() if k != "multipleOf"})
+            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult}) is not supported")
+        lo, lo_excl, hi, hi_excl = self.bounds(s)
+        if lo is None and hi is None:
+            return NUMBER
+        for v in (lo, hi):
+            if v is not None and float(v) != int(v):
+                raise GrammarCompileError(f"json: non-integer bound {v!r} on a number (minimum/maximum) is not supported")
+        return number_range(None if lo is None else int(lo), lo_excl, None if hi is None else int(hi), hi_excl)
+
+    # -- containers --
+
+    def any_value(self, depth: int):
+        """Any JSON value nesting at most `depth` containers deep."""
+        scalars = "(?:" + "|".join([STRING, NUMBER, "true", "false", "null"]) + ")"
+        if depth <= 0:
+            return scalars
+        return _any_value_fsm(scalars, self.lbrace, self.rbrace, self.lbracket, self.rbracket, self.colon, self.comma, depth)
+
+    def object(self, s: dict, refs: tuple, depth: int):
+        props: dict = dict(s.get("properties", {}) or {})
+        required = list(s.get("required", []) or [])
+        addl = s.get("additionalProperties", True)
+        if "unevaluatedProperties" in s and addl is True:
+            addl = s["unevaluatedProperties"]
+        for name in required:
+            if name not in props:
+                if addl is False:
+                    return NEVER
+                props[name] = addl if isinstance(addl, dict) else {}
+        # dependencies: enforced when they cannot bite (or by making them required)
+        deps = dict(s.get("dependentRequired", {}) or {})
+        for k, v in (s.get("dependencies", {}) or {}).items():
+            if not isinstance(v, list):
+                raise GrammarCompileError("json: keyword 'dependencies' with a schema value is not supported")
+            deps[k] = v
+        for k, needed in deps.items():
+            if k in required:
+                required += [n for n in needed if n not in required]
+                for n in needed:
+                    props.setdefault(n, addl if isinstance(addl, dict) else {})
+            elif k in props and not all(n in required for n in needed):
+                raise GrammarCompileError("json: keyword 'dependentRequired'/'dependencies' on an optional property is not supported")
+        min_p, max_p = s.get("minProperties", 0), s.get("maxProperties")
+        pattern_props = s.get("patternProperties", {}) or {}
+        names = s.get("propertyNames")
+        if not props and addl is not False:
+            # free-form object: any keys
+            if pattern_props:
+                raise GrammarCompileError("json: keyword 'patternProperties' on an object without declared properties is not supported")
+            if names not in (None, True, {}):
+                raise GrammarCompileError("json: keyword 'propertyNames' on an object without declared properties is not supported")
+            if min_p:
+                raise GrammarCompileError("json: keyword 'minProperties' on a free-form object is not supported")
+            val = self.node(addl, refs, depth - 1) if isinstance(addl, dict) and addl else self.any_value(depth - 1)
+            if max_p == 0 or val is NEVER:
+                return self.lbrace + self.rbrace
+            pair = STRING + self.colon + val if isinstance(val, str) else seq(STRING, self.colon, val)
+            more = rep(seq(self.comma, pair), 0, None if max_p is None else max_p - 1)
+            return seq(self.lbrace, opt(seq(pair, more)), self.rbrace)
+        for pat in pattern_props:
+            try:
+                hit = [n for n in props if re.search(pat, n)]
+            except re.error:
+                raise GrammarCompileError(f"json: patternProperties pattern {pat!r} is invalid") from None
+            if hit:
+                raise GrammarCompileError(f"json: keyword 'patternProperties' matching declared property {hit[0]!r} is not supported")
+        if names not in (None, True, {}):
+            from jsonschema.validators import validator_for
+
+            v = validator_for(self.root)(names)
+            bad = [n for n in props if not v.is_valid(n)]
+            if bad:
+                required = [r for r in required if r not in bad]
+                if any(n in s.get("required", []) for n in bad):
+                    return NEVER
+                for n in bad:
+                    props.pop(n)
+        items = []
+        for name, sub in props.items():
+            val = self.node(sub, refs, depth - 1 if sub in (True, {}) else depth)
+            req = name in required
+            if val is NEVER:
+                if req:
+                    return NEVER
+                continue
+            items.append((seq(json_literal(name), self.colon, val), req))
+        n_req = sum(r for _, r in items)
+        if n_req < min_p:
+            if len(items) < min_p:
+                return NEVER
+            raise GrammarCompileError("json: keyword 'minProperties' above the number of required properties is not supported")
+        if max_p is not None and len(items) > max_p:
+            if n_req > max_p:
+                return NEVER
+            raise GrammarCompileError("json: keyword 'maxProperties' below the number of declared properties is not supported")
+        return seq(self.lbrace, self.members(items), self.rbrace)
+
+    def members(self, items: list):
+        if not items:
+            return ""
+        first_req = next((i for i, (_, r) in enumerate(items) if r), None)
+        if first_req is not None:
+            parts = [opt(seq(p, self.comma)) for p, _ in items[:first_req]]
+            parts.append(items[first_req][0])
+            for p, r in items[first_req + 1 :]:
+                parts.append(seq(self.comma, p) if r else opt(seq(self.comma, p)))
+            return seq(*parts)
+        if len(items) > 24:
+            raise GrammarCompileError(f"json: an object with {len(items)} properties and none required is too large")
+        # none required: which one comes first decides where the commas go
+        tails = [""] * (len(items) + 1)
+        for i in range(len(items) - 1, -1, -1):
+            tails[i] = seq(opt(seq(self.comma, items[i][0])), tails[i + 1])
+        return opt(alt(*[seq(items[i][0], tails[i + 1]) for i in range(len(items))]))
+
+    def array(self, s: dict, refs: tuple, depth: int):
+        lo = int(s.get("minItems", 0))
+        hi = s.get("maxItems")
+        hi = int(hi) if hi is not None else None
+        if hi is not None and hi < lo:
+            return NEVER
+        if s.get("uniqueItems") is True and (hi is None or hi > 1):
+            raise GrammarCompileError("json: keyword 'uniqueItems' is not supported")
+        items = s.get("items", True)
+        prefix = s.get("prefixItems")
+        if isinstance(items, list):  # draft 4-2019 tuple form
+            prefix, rest = items, s.get("additionalItems", True)
+        else:
+            rest = items
+        if "unevaluatedItems" in s and rest is True and prefix is None:
+            rest = s["unevaluatedItems"]
+        prefix = prefix or []
+        slots = [self.node(p, refs, depth - 1 if p in (True, {}) else depth) for p in prefix]
+        if rest is True or rest == {}:
+            rest_val = self.any_value(depth - 1)
+        else:
+            rest_val = self.node(rest, refs, depth)
+        if prefix and lo <= len(prefix):
+            rest_val = NEVER  # we do not generate items past the tuple unless required to
+        n_max = hi
+        # item k (0-based) is slots[k] or rest_val; items from lo on are optional.
+        if rest_val is NEVER:
+            n_max = len(slots) if hi is None else min(hi, len(slots))
+        if lo > (n_max if n_max is not None else lo):
+            return NEVER
+        if not slots:
+            if lo == 0:
+                body = opt(seq(rest_val, rep(seq(self.comma, rest_val), 0, None if hi is None else hi - 1)))
+            else:
+                body = seq(rest_val, rep(seq(self.comma, rest_val), lo - 1, None if hi is None else hi - 1))
+            return seq(self.lbracket, body, self.rbracket)
+
+        def item(k):
+            return slots[k] if k < len(slots) else rest_val
+
+        # build from the end: tail(k) = what may follow after k items
+        if n_max is None:
+            tail = rep(seq(self.comma, rest_val), max(0, lo - len(slots)), None)
+            k = len(slots)
+        else:
+            tail = ""
+            k = n_max
+        while k > 0:
+            k -= 1
+            piece = seq(item(k), tail)
+            if k > 0:
+                piece = seq(self.comma, piece)
+            tail = piece if k < lo else opt(piece)
+            if tail is NEVER:
+                return NEVER
+        return seq(self.lbracket, tail, self.rbracket)
+
+
+@functools.lru_cache(maxsize=32)
+def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth):
+    """Built as FSMs (the regex would repeat the inner value 4x per level), reduced per level."""
+    from interegular.fsm import FSM
+
+    if depth <= 0:
+        return regex_to_char_fsm(scalars)
+    inner = _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth - 1)
+    P = regex_to_char_fsm
+    pair = FSM.concatenate(P(STRING + colon), inner)
+    obj = FSM.concatenate(P(lbrace), opt(FSM.concatenate(pair, FSM.concatenate(P(comma), pair).star())), P(rbrace))
+    arr = FSM.concatenate(P(lbracket), opt(FSM.concatenate(inner, FSM.concatenate(P(comma), inner).star())), P(rbracket))
+    return FSM.union(P(scalars), obj, arr).reduce()
+
+
+def _type_of(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "integer" if v.is_integer() else "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
