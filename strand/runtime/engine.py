@@ -180,6 +180,8 @@ class Engine:
             for r, res in zip(reqs, results):  # a consumer that stops early must not leak KV
                 if not res.finished:
                     self.scheduler.abort_request(r.rid)
+            if pending:
+                self.scheduler.step()  # hand out the abort outputs (nothing else runs in-process)
 
     def _stream(self, reqs, results) -> Iterator[dict]:
         sent = [""] * len(results)

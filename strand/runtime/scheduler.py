@@ -422,19 +422,17 @@ class Scheduler:
         if to_sample:
             self._sample(logits, to_sample)
 
-        still_running = []
+        sampled = {id(r) for r, _ in to_sample}
         for req in reqs:
             if req.finished:
                 if req in self.running:
                     self.running.remove(req)
                 self._release(req)
                 self._emit(req)
-            elif req.kv_len == len(req.fill_ids) - 1:  # sampled: decoding from now on
-                still_running.append(req)
+            elif id(req) in sampled:  # decoding from now on
+                if req not in self.running:
+                    self.running.append(req)
                 self._emit(req)
-        for req in still_running:
-            if req not in self.running:
-                self.running.append(req)
 
     def _sample(self, logits: torch.Tensor, to_sample: list[tuple[Req, int]]) -> None:
         rows = torch.tensor([i for _, i in to_sample], dtype=torch.int64)
