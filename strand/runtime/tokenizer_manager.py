@@ -315,6 +315,8 @@ class TokenizerManager:
             raise InvalidRequestError("logprob_start_len", "must be >= -1")
         if return_logprob and logprob_start_len >= n:
             raise InvalidRequestError("logprob_start_len", f"is {logprob_start_len} but the prompt has {n} tokens")
+        if return_logprob and logprob_start_len == -1:
+            logprob_start_len = n - 1  # as SGLang: by default only the last prompt token is scored
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return GenerateInput(
@@ -368,10 +370,12 @@ class TokenizerManager:
         """Abort a request by id (or all sub-requests `rid-i` of an n > 1 request)."""
         targets = [r for r in self.states if r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].isdigit())]
         for r in targets:
-            self._abort_one(r)
+            # The state stays: the scheduler's final (abort) output ends it for whoever waits.
+            self._send.send_pyobj(AbortReq(rid=r))
         return bool(targets)
 
     def _abort_one(self, rid: str) -> None:
+        """The client is gone: forget the request (its last output is dropped) and abort it."""
         state = self.states.pop(rid, None)
         if state is not None and not state.finished:
             self._send.send_pyobj(AbortReq(rid=rid))
