@@ -50,14 +50,36 @@ def _sse(obj: Any) -> bytes:
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _abort_status(results: list[dict]) -> tuple[int, str] | None:
+def _abort_status(results: list[dict]) -> tuple[int, str, str | None] | None:
     """If a request was refused after submission (grammar compile failure, server dying), its
     finish_reason carries the HTTP status to answer with."""
     for r in results:
         fr = r["meta_info"].get("finish_reason") or {}
         if fr.get("type") == "abort" and fr.get("status_code"):
-            return int(fr["status_code"]), str(fr.get("message", "aborted"))
+            message = str(fr.get("message", "aborted"))
+            field, sep, _ = message.partition(": ")
+            param = field if sep and field.replace(".", "").replace("_", "").isalnum() else None
+            return int(fr["status_code"]), message, param
     return None
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the endpoints):
+    every path but /health* and /metrics needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not (scope["path"].startswith("/health") or scope["path"] == "/metrics"):
+            auth = dict(scope.get("headers") or []).get(b"authorization")
+            if auth != self.expected:
+                response = _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                  kind="authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(tm, children: dict | None = None, on_ready=None):
@@ -66,7 +88,7 @@ def create_app(tm, children: dict | None = None, on_ready=None):
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     from strand.runtime import openai_api
-    from strand.runtime.tokenizer_manager import OverloadedError, ServerDeadError
+    from strand.runtime.tokenizer_manager import ClientDisconnected, OverloadedError, ServerDeadError
 
     @asynccontextmanager
     async def lifespan(app):
@@ -81,12 +103,8 @@ def create_app(tm, children: dict | None = None, on_ready=None):
     app = FastAPI(title="Strand", lifespan=lifespan)
     api_key = tm.server_args.api_key
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and not (request.url.path.startswith("/health") or request.url.path == "/metrics"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)", kind="authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     async def read_json(request: Request):
         body = await request.body()
@@ -113,6 +131,8 @@ def create_app(tm, children: dict | None = None, on_ready=None):
                 return _error(503, f"the server is shutting down: {e}")
             except asyncio.TimeoutError:
                 return _error(503, "the scheduler did not answer in time")
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody is listening any more
 
         return wrapped
 

@@ -33,10 +33,15 @@ logger = logging.getLogger(__name__)
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
 MAX_TOP_LOGPROBS = 20
+_DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks that its client is still there
 
 
 class OverloadedError(RuntimeError):
     """More requests in flight than the server accepts; the HTTP layer answers 503."""
+
+
+class ClientDisconnected(RuntimeError):
+    """The client went away while waiting; its requests were aborted."""
 
 
 class ServerDeadError(RuntimeError):
@@ -291,6 +296,9 @@ class TokenizerManager:
         logprob_start_len = -1 if logprob_start_len is None else logprob_start_len
         top_logprobs_num = _field("top_logprobs_num", top_logprobs_num, int) or 0
         if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token
+            if bos and prompt.startswith(bos):
+                add_special_tokens = False  # the text already carries it (as the Engine does)
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             input_text = prompt
         else:
@@ -389,16 +397,19 @@ class TokenizerManager:
     async def wait_all(self, states: list[ReqState], is_disconnected=None) -> list[dict[str, Any]]:
         """Wait until every state finishes; abort them all if the client goes away."""
         notify = states[0].notify
+        last_check = time.monotonic()
         try:
             while not all(s.finished for s in states):
                 try:
-                    await asyncio.wait_for(notify.wait(), timeout=1.0)
+                    await asyncio.wait_for(notify.wait(), timeout=_DISCONNECT_CHECK_S)
                     notify.clear()
                 except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
+                    pass
+                if is_disconnected is not None and time.monotonic() - last_check >= _DISCONNECT_CHECK_S:
+                    last_check = time.monotonic()
+                    if await is_disconnected():
                         logger.info("client disconnected; aborting %s", states[0].rid)
-                        self.abort_states(states)
-                        raise asyncio.CancelledError()
+                        raise ClientDisconnected(states[0].rid)
         except BaseException:
             self.abort_states(states)
             raise
