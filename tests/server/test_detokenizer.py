@@ -78,3 +78,17 @@ def test_manager_logprob_text_and_meta(tok):
                                prompt_tokens=3, completion_tokens=len(ids)))
     assert last.finished and last.text == "ab cd" and last.output_ids == ids
     assert "r" not in m.states
+
+
+def test_manager_adds_logprob_text_when_asked(tok):
+    from strand.runtime.detokenizer import DetokenizeSpec
+
+    m = DetokenizerManager(tok)
+    ids = tok.encode(" Paris")
+    m.register(DetokenizeSpec(rid="s", return_text_in_logprobs=True, stop=["."]))
+    out = m.process(ReqOutput("s", ids, finish_reason={"type": "length", "length": 1}, prompt_tokens=1,
+                              completion_tokens=1, output_token_logprobs=[(-0.1, ids[0])],
+                              output_top_logprobs=[[(-0.1, ids[0]), (-3.0, 13)]]))
+    assert out.meta_info["output_token_logprobs"] == [[-0.1, ids[0], " Paris"]]
+    assert out.meta_info["output_top_logprobs"][0][1] == [-3.0, 13, tok.decode([13])]
+    assert "s" not in m.specs
