@@ -310,12 +310,20 @@ def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int) -> tuple[np.nd
     # Moore minimization: refine classes until stable.
     cls = acc2.astype(np.int64)
     n_cls = len(np.unique(cls))
+    # Only the bytes where some state differs from the others matter for the signature.
+    cols = np.nonzero((T2 != T2[:1]).any(0) | (T2[0] >= 0))[0]
+    Tc = T2[:, cols]
     while True:
-        nxt_cls = np.where(T2 >= 0, cls[np.maximum(T2, 0)], -1)
+        nxt_cls = np.where(Tc >= 0, cls[np.maximum(Tc, 0)], -1)
         sig = np.concatenate([cls[:, None], nxt_cls], axis=1)
-        _, new_cls = np.unique(sig, axis=0, return_inverse=True)
-        new_cls = new_cls.reshape(-1)
-        n_new = new_cls.max() + 1
+        # group equal rows: lexsort then compare neighbours (faster than unique(axis=0))
+        order = np.lexsort(sig.T[::-1])
+        srt = sig[order]
+        new_group = np.r_[True, (srt[1:] != srt[:-1]).any(1)]
+        gid = np.cumsum(new_group) - 1
+        new_cls = np.empty(len(cls), dtype=np.int64)
+        new_cls[order] = gid
+        n_new = int(gid[-1]) + 1
         cls = new_cls
         if n_new == n_cls:
             break

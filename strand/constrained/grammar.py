@@ -234,7 +234,9 @@ class GrammarCompiler:
         self.max_whitespace = max_whitespace
         self._cache: OrderedDict[tuple, CompiledGrammar | GrammarCompileError] = OrderedDict()
         self._inflight: dict[tuple, Future] = {}
+        self._tasks: dict[tuple, tuple] = {}  # key -> (worker future, callable), while queued or running
         self._lock = threading.Lock()
+        self._num_workers = num_workers
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar-compile")
 
     # -- public --
@@ -276,8 +278,11 @@ class GrammarCompiler:
                 self._finish(key, outer, result=g)
             finally:
                 timer.cancel()
+                with self._lock:
+                    self._tasks.pop(key, None)
 
-        self._pool.submit(run)
+        with self._lock:
+            self._tasks[key] = (self._pool.submit(run), run)
         return outer
 
     def compile_now(self, kind: str, spec: str, deadline: float | None = None) -> CompiledGrammar:
@@ -351,6 +356,15 @@ class GrammarCompiler:
             pass
 
     def _fail_timeout(self, key, fut: Future) -> None:
+        # A thread cannot be killed, and the stuck compile may sit inside interegular where no
+        # deadline check runs; later compiles go to a fresh pool so they do not queue behind it.
+        with self._lock:
+            old, self._pool = self._pool, ThreadPoolExecutor(max_workers=self._num_workers, thread_name_prefix="grammar-compile")
+        old.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for k, (inner, run) in list(self._tasks.items()):
+                if inner.cancelled():  # was queued behind the stuck one: run it on the new pool
+                    self._tasks[k] = (self._pool.submit(run), run)
         self._finish(key, fut, exc=GrammarCompileError(f"grammar compile timed out after {self.timeout_s}s"))
 
 

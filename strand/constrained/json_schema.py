@@ -67,6 +67,10 @@ TYPE_KEYWORDS = {
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "unevaluatedProperties"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "unevaluatedItems"},
 }
+# Bounded repetitions above these are tightened (sound: fewer outputs, all valid); the DFA has a
+# state per count, so maxLength 32767 would otherwise mean 32767 mask rows.
+MAX_STRING_LENGTH = 128
+MAX_ITEMS = 32
 ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -491,6 +495,10 @@ class JsonSchemaConverter:
         hi = int(hi) if hi is not None else None
         if hi is not None and hi < lo:
             return NEVER
+        if lo > MAX_STRING_LENGTH:
+            raise GrammarCompileError(f"json: minLength {lo} above {MAX_STRING_LENGTH} is not supported")
+        if hi is not None and hi > MAX_STRING_LENGTH:
+            hi = MAX_STRING_LENGTH  # tightening an upper bound keeps every output valid
         fmt = s.get("format")
         pattern = s.get("pattern")
         fmt_re = None
@@ -500,7 +508,11 @@ class JsonSchemaConverter:
             elif fmt in KNOWN_UNSUPPORTED_FORMATS:
                 raise GrammarCompileError(f"json: format {fmt!r} is not supported")
         if pattern is None and fmt_re is None:
-            return '"' + rep(STRING_CHAR, lo, hi) + '"'
+            if hi is None and lo == 0:
+                return STRING
+            # Counted strings use unescaped characters only: a counter over the escape-aware
+            # unit multiplies the DFA by its ~20 states (sound: a subset of the valid strings).
+            return '"' + rep(SAFE_CHAR, lo, hi) + '"'
         if pattern is None and lo == 0 and hi is None:
             return '"' + fmt_re + '"'
         # Intersection of the pattern (search semantics), the format and the length, over
@@ -691,6 +703,10 @@ class JsonSchemaConverter:
         hi = int(hi) if hi is not None else None
         if hi is not None and hi < lo:
             return NEVER
+        if lo > MAX_ITEMS:
+            raise GrammarCompileError(f"json: minItems {lo} above {MAX_ITEMS} is not supported")
+        if hi is not None and hi > MAX_ITEMS:
+            hi = MAX_ITEMS  # tightened: still valid, the DFA stays small
         if s.get("uniqueItems") is True and (hi is None or hi > 1):
             raise GrammarCompileError("json: keyword 'uniqueItems' is not supported")
         items = s.get("items", True)
