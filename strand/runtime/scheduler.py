@@ -58,6 +58,7 @@ class Req:
     # constrained decoding
     grammar: Any = None  # GrammarMatcher once compiled
     grammar_future: Any = None
+    draft: int = 0  # trailing output tokens appended by jump-forward, not yet verified by the model
     # results not yet reported
     finish_reason: dict | None = None
     stop_str: str | None = None
@@ -260,18 +261,24 @@ class Scheduler:
         self.grammar_queue = still
 
     def _run_batch(self) -> None:
-        decodes = self._make_decode_room()
-        budget = self.args.chunked_prefill_size
-        extends: list[tuple[Req, int]] = []  # (req, tokens to compute this pass)
+        self._make_decode_room()
+        # A running request usually has one token to feed; after a jump-forward it has several.
+        decodes = [r for r in self.running if self._pending(r) == 1]
+        extends: list[tuple[Req, int]] = [(r, self._pending(r)) for r in self.running if self._pending(r) > 1]
+        budget = self.args.chunked_prefill_size - sum(n for _, n in extends)
         if self.chunked is not None:
             req = self.chunked
-            n = min(budget, len(req.fill_ids) - req.kv_len)
+            n = min(max(budget, 1), len(req.fill_ids) - req.kv_len)
             extends.append((req, n))
             budget -= n
         self._admit(extends, budget, len(decodes))
         if not extends and not decodes:
             return
         self._forward_and_sample(extends, decodes)
+
+    @staticmethod
+    def _pending(req: Req) -> int:
+        return len(req.fill_ids) - req.kv_len
 
     def _available(self) -> int:
         return self.allocator.free_count + self.cache.evictable_size
@@ -288,19 +295,21 @@ class Scheduler:
         assert slots is not None, "KV allocation failed after admission checked room"
         return slots
 
-    def _make_decode_room(self) -> list[Req]:
-        """Every running request needs one slot; evict cache, then retract requests, until they fit."""
-        need = len(self.running)
-        if self.allocator.free_count < need:
-            self.cache.evict(need - self.allocator.free_count)
+    def _make_decode_room(self) -> None:
+        """Running requests need a slot per pending token; evict cache, then retract, until they fit."""
+        def need() -> int:
+            return sum(self._pending(r) for r in self.running)
+
+        if self.allocator.free_count < need():
+            self.cache.evict(need() - self.allocator.free_count)
         retracted = []
-        while self.allocator.free_count < len(self.running) and self.running:
+        while self.running and self.allocator.free_count < need():
             # fewest output tokens first, longest prompt on ties: the cheapest to redo
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
             self._release(victim, finished=False)
             retracted.append(victim)
-            self.cache.evict(len(self.running) - self.allocator.free_count)
+            self.cache.evict(need() - self.allocator.free_count)
         if retracted:
             self.stats["num_retractions"] += len(retracted)
             self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
@@ -309,7 +318,6 @@ class Scheduler:
                 self.waiting.appendleft(r)
         else:
             self.new_token_ratio = max(self.args.new_token_ratio, self.new_token_ratio - 0.002)
-        return list(self.running)
 
     def _admit(self, extends: list[tuple[Req, int]], budget: int, num_decodes: int) -> None:
         if not self.waiting or budget <= 0:
@@ -318,7 +326,7 @@ class Scheduler:
         reserved += sum(n for _, n in extends)
         if self.chunked is not None:
             reserved += self._reserve(self.chunked)
-        num_running = len(self.running) + len(extends)
+        num_running = len(self.running) + sum(1 for r, _ in extends if r is self.chunked)
         admitted = []
         for req in self.policy.order(list(self.waiting)):
             if budget <= 0 or num_running >= self.args.max_running_requests:
@@ -379,6 +387,8 @@ class Scheduler:
             first = start + n - 1 if completes else start + n  # default: only the last token
             if req.wants_input_logprobs:
                 first = max(start, req.logprob_start_len)
+            elif completes and req.draft:  # rows from the last verified token on check the drafts
+                first = max(start, len(req.fill_ids) - 1 - req.draft)
             rows = list(range(offset + first - start, offset + n))
             row_spans.append((len(logits_rows), len(rows)))
             logits_rows.extend(rows)
@@ -404,6 +414,7 @@ class Scheduler:
 
         # Which requests sample this pass, and from which logits row.
         to_sample: list[tuple[Req, int]] = []
+        verified: list[Req] = []  # drafts rejected part-way: the model's own token was taken
         for req, n, (r0, cnt) in zip(reqs, lens, row_spans):
             req.kv_len += n
             completes = req.kv_len == len(req.fill_ids)
@@ -414,6 +425,9 @@ class Scheduler:
                 continue
             if req is self.chunked:
                 self.chunked = None
+            if req.draft and not self._verify_drafts(req, logits[r0 + cnt - 1 - req.draft:r0 + cnt]):
+                verified.append(req)
+                continue
             if req.params.max_new_tokens == 0 or len(req.output_ids) >= req.params.max_new_tokens:
                 req.finish_reason = {"type": "length", "length": len(req.output_ids)}
                 continue
@@ -422,7 +436,7 @@ class Scheduler:
         if to_sample:
             self._sample(logits, to_sample)
 
-        sampled = {id(r) for r, _ in to_sample}
+        sampled = {id(r) for r, _ in to_sample} | {id(r) for r in verified}
         for req in reqs:
             if req.finished:
                 if req in self.running:
@@ -455,6 +469,118 @@ class Scheduler:
                 req.finish_reason = {"type": "abort", "message": f"grammar rejected token {tok}"}
                 continue
             self._check_finished(req)
+            if req.grammar is not None and not req.finished and not self.args.disable_jump_forward:
+                self._jump_forward(req)
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the grammar's forced text as the tokenizer would tokenize it, without sampling it.
+
+        The plan may replace the token just sampled (not yet reported) so the boundary re-tokenizes
+        as the tokenizer does; the new tokens are then fed in one extend pass next step.
+        """
+        from strand.constrained import jump_forward_tokens
+
+        if self._drafts_verifiable(req):
+            self._draft_forced(req)
+            return
+        plan = jump_forward_tokens(req.grammar, req.output_ids, self.tokenizer)
+        if plan is None:
+            return
+        k, new_ids = plan
+        unsent = len(req.output_ids) - req.sent_len
+        keep = len(req.output_ids) - k
+        if k > unsent or keep + len(new_ids) >= req.params.max_new_tokens:
+            return  # never take back reported tokens; leave the last tokens to the length limit
+        if len(req.origin_input_ids) + keep < req.kv_len:
+            return  # would drop tokens whose KV is already written
+        req.grammar.rollback(k)
+        if not req.grammar.accept_tokens(new_ids):
+            return
+        del req.output_ids[keep:]
+        req.output_ids.extend(new_ids)
+        if req.return_logprob:  # forced tokens were not sampled: no logprob (drafts get theirs when checked)
+            del req.output_token_logprobs[keep:]
+            req.output_token_logprobs.extend((None, t) for t in new_ids)
+            if req.top_logprobs_num:
+                del req.output_top_logprobs[keep:]
+                req.output_top_logprobs.extend([] for _ in new_ids)
+        self.stats["jump_forward_tokens"] += len(new_ids)
+        self.stats["generation_tokens_total"] += len(new_ids) - k
+
+    def _draft_forced(self, req: Req) -> None:
+        """Greedy: the forced text's tokens become drafts; the next pass checks each against the
+        model's own choice, so the output is exactly what it would be without jump-forward."""
+        forced = req.grammar.jump_forward_string()
+        if not forced:
+            return
+        room = req.params.max_new_tokens - len(req.output_ids) - 1
+        drafts = self.tokenizer.encode(forced, add_special_tokens=False)[:max(room, 0)]
+        if not drafts or not req.grammar.accept_tokens(drafts):
+            return
+        req.output_ids.extend(drafts)
+        req.draft = len(drafts)
+        if req.return_logprob:  # filled in when the drafts are checked
+            req.output_token_logprobs.extend((None, t) for t in drafts)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.extend([] for _ in drafts)
+
+    @staticmethod
+    def _drafts_verifiable(req: Req) -> bool:
+        p = req.params
+        return p.is_greedy and not (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+                                    or p.min_new_tokens)
+
+    def _verify_drafts(self, req: Req, logits: torch.Tensor) -> bool:
+        """Check the jump-forward drafts against the model. logits [draft + 1, V]: row j predicts
+        the token after draft j - 1. Returns True when all drafts hold (the last row is then sampled
+        as usual); otherwise keeps the agreeing drafts, takes the model's token at the first
+        disagreement, frees the KV computed for the rest, and returns False."""
+        from strand.constrained import apply_token_bitmask_
+
+        m = req.draft
+        req.draft = 0
+        drafts = req.output_ids[-m:]
+        req.grammar.rollback(m)
+        masked = logits[:m].clone()
+        base = len(req.output_ids) - m
+        lp = torch.log_softmax(logits[:m], dim=-1) if req.return_logprob else None
+        for j, tok in enumerate(drafts):
+            row = masked[j:j + 1]
+            apply_token_bitmask_(row, req.grammar.grammar.mask_table[req.grammar.state][None])
+            choice = int(row.argmax())
+            if choice != tok:
+                break
+            req.grammar.accept_token(tok)
+            self.stats["jump_forward_tokens"] += 1
+            self.stats["generation_tokens_total"] += 1
+            if lp is not None:
+                req.output_token_logprobs[base + j] = (float(lp[j, tok]), tok)
+                if req.top_logprobs_num:
+                    req.output_top_logprobs[base + j] = top_logprobs_of(lp[j:j + 1], req.top_logprobs_num)[0]
+        else:
+            return True
+        # Disagreement at draft j: the model's greedy token replaces drafts j..m-1.
+        keep = len(req.output_ids) - m + j
+        del req.output_ids[keep:]
+        if req.return_logprob:
+            del req.output_token_logprobs[keep:]
+            if req.top_logprobs_num:
+                del req.output_top_logprobs[keep:]
+        req.output_ids.append(choice)
+        req.grammar.accept_token(choice)
+        if lp is not None:
+            req.output_token_logprobs.append((float(lp[j, choice]), choice))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(top_logprobs_of(lp[j:j + 1], req.top_logprobs_num)[0])
+        new_kv = len(req.fill_ids) - 1
+        row = self.req_to_token[req.req_pool_idx]
+        self.allocator.free(row[new_kv:req.kv_len].clone())
+        req.kv_len = new_kv
+        self.stats["generation_tokens_total"] += 1
+        self._check_finished(req)
+        if not req.finished and not self.args.disable_jump_forward:
+            self._jump_forward(req)
+        return False
 
     def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         idx = [j for j, r in enumerate(reqs) if r.grammar is not None]
@@ -525,6 +651,15 @@ class Scheduler:
 
     def _release(self, req: Req, finished: bool = True) -> None:
         """Give back a request's KV: into the tree (duplicates freed) or, cache off, to the allocator."""
+        if req.draft:  # unverified jump-forward tokens are dropped, never cached or reported
+            req.grammar.rollback(req.draft)
+            keep = len(req.output_ids) - req.draft
+            del req.output_ids[keep:]
+            if req.return_logprob:
+                del req.output_token_logprobs[keep:]
+                if req.top_logprobs_num:
+                    del req.output_top_logprobs[keep:]
+            req.draft = 0
         if req.req_pool_idx is None:
             return
         row = self.req_to_token[req.req_pool_idx]
@@ -542,8 +677,9 @@ class Scheduler:
             self.reqs.pop(req.rid, None)
 
     def _emit(self, req: Req) -> None:
-        new = req.output_ids[req.sent_len:]
-        req.sent_len = len(req.output_ids)
+        verified = len(req.output_ids) - req.draft
+        new = req.output_ids[req.sent_len:verified]
+        req.sent_len = verified
         out = ReqOutput(
             rid=req.rid, new_token_ids=new, finish_reason=req.finish_reason,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
@@ -554,7 +690,7 @@ class Scheduler:
                 out.input_token_logprobs = req.input_token_logprobs
                 out.input_top_logprobs = req.input_top_logprobs
                 req.input_logprobs_sent = True
-            out.output_token_logprobs = req.output_token_logprobs[req.sent_lp_len:]
-            out.output_top_logprobs = req.output_top_logprobs[req.sent_lp_len:] if req.top_logprobs_num else None
-            req.sent_lp_len = len(req.output_token_logprobs)
+            out.output_token_logprobs = req.output_token_logprobs[req.sent_lp_len:verified]
+            out.output_top_logprobs = req.output_top_logprobs[req.sent_lp_len:verified] if req.top_logprobs_num else None
+            req.sent_lp_len = verified
         self.pending_outputs.append(out)

@@ -1,0 +1,105 @@
+"""Constrained decoding end to end on the default model: regex, JSON schema, jump-forward."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from strand.runtime.errors import InvalidRequestError
+from strand.runtime.tokenizer import apply_chat_template
+from tests.test_constrained_grammar import REGEXES, SCHEMAS, _validator
+
+REGEX_SPECS = [r for r, _ in REGEXES][:10]
+SCHEMA_SPECS = [(n, s) for n, s, _ in SCHEMAS][:15]
+
+
+def prompt(engine, what: str) -> str:
+    return apply_chat_template(engine.tokenizer, [{"role": "user", "content": what}])
+
+
+@pytest.fixture
+def jump_forward(default_engine):
+    """Flip jump-forward on the shared engine for one test (the server argument, read each step)."""
+    args = default_engine.scheduler.args
+    old = args.disable_jump_forward
+
+    def set_(on: bool):
+        args.disable_jump_forward = not on
+    yield set_
+    args.disable_jump_forward = old
+
+
+def run_all(engine, specs, sp_extra, seeds):
+    prompts, params, meta = [], [], []
+    for kind, spec in specs:
+        for seed in seeds:
+            prompts.append(prompt(engine, "Answer with a JSON value." if kind == "json" else "Answer briefly."))
+            sp = {"temperature": 1.0, "max_new_tokens": 96, "seed": seed, **sp_extra}
+            sp["json_schema" if kind == "json" else "regex"] = json.dumps(spec) if kind == "json" else spec
+            params.append(sp)
+            meta.append((kind, spec))
+    return zip(meta, engine.generate(prompt=prompts, sampling_params=params))
+
+
+@pytest.mark.parametrize("jf", [True, False], ids=["jump-forward", "no-jump-forward"])
+def test_sampled_outputs_obey_regex_and_schema(default_engine, jump_forward, jf):
+    jump_forward(jf)
+    specs = [("regex", r) for r in REGEX_SPECS] + [("json", s) for _, s in SCHEMA_SPECS]
+    finished = 0
+    for (kind, spec), out in run_all(default_engine, specs, {}, seeds=[1, 2]):
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] in ("stop", "length"), reason
+        if reason["type"] == "length":
+            continue  # cut off by max_new_tokens: a prefix of a valid output, said so
+        finished += 1
+        if kind == "regex":
+            assert re.fullmatch(spec, out["text"]), (spec, out["text"])
+        else:
+            _validator(spec).validate(json.loads(out["text"]))
+    assert finished >= 0.6 * len(specs) * 2  # free-running regexes at T=1 may hit the limit
+
+
+def test_greedy_json_identical_with_and_without_jump_forward(default_engine, jump_forward):
+    specs = [("json", s) for _, s in SCHEMA_SPECS]
+    s = default_engine.scheduler
+    runs = {}
+    for jf in (False, True):
+        jump_forward(jf)
+        before = s.stats["num_forward_passes"], s.stats["jump_forward_tokens"]
+        outs = [default_engine.generate(prompt=prompt(default_engine, "Answer with a JSON value."),
+                                        sampling_params={"temperature": 0, "max_new_tokens": 64,
+                                                         "json_schema": json.dumps(spec)})
+                for _, spec in specs]
+        runs[jf] = (outs, s.stats["num_forward_passes"] - before[0], s.stats["jump_forward_tokens"] - before[1])
+    (off, passes_off, _), (on, passes_on, jumped) = runs[False], runs[True]
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    assert [o["meta_info"]["finish_reason"] for o in on] == [o["meta_info"]["finish_reason"] for o in off]
+    assert jumped > 0 and passes_on < passes_off
+
+
+def test_constrained_and_free_requests_share_a_batch(default_engine):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    p = prompt(default_engine, "What is 2 + 2?")
+    params = [{"temperature": 0, "max_new_tokens": 30},
+              {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(schema)},
+              {"temperature": 0, "max_new_tokens": 30, "regex": r"(four|4)"},
+              {"temperature": 0.8, "max_new_tokens": 30, "seed": 3}]
+    free_alone = default_engine.generate(prompt=p, sampling_params=params[0])
+    outs = default_engine.generate(prompt=[p] * 4, sampling_params=params)
+    assert outs[0]["output_ids"] == free_alone["output_ids"]
+    jsonschema.validate(json.loads(outs[1]["text"]), schema)
+    assert outs[2]["text"] in ("four", "4")
+    assert outs[3]["meta_info"]["finish_reason"] is not None
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"json_schema": json.dumps({"type": "array", "uniqueItems": True})}, "uniqueItems"),
+    ({"json_schema": json.dumps({"type": "object", "patternProperties": {"^a": {}}})}, "patternProperties"),
+    ({"regex": "(unclosed"}, "regex"),
+])
+def test_uncompilable_specs_are_clear_errors(default_engine, params, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        default_engine.generate(prompt="hi", sampling_params={"max_new_tokens": 5, **params})
+    ok = default_engine.generate(prompt="hi", sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 2
