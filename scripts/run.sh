@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job: generate a few chat completions with the embedded default model.
+# The main job: start the server on the embedded default model, chat with it, stop it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python examples/quickstart.py "$@"
+python examples/serve_and_chat.py "$@"

@@ -22,9 +22,8 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: only output logprobs; k: prompt logprobs from position k
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     stream: bool = False
-    # For the structured-output compile: ("regex", pattern) or ("json", schema) or None.
-    # Derived from sampling_params; kept here so the scheduler need not re-derive it.
 
 
 @dataclass

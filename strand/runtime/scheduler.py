@@ -335,8 +335,8 @@ class Scheduler:
                 break
             fill = req.fill_ids
             max_match = len(fill) - 1
-            if req.wants_input_logprobs:
-                max_match = min(max_match, req.logprob_start_len)
+            if req.wants_input_logprobs:  # token s's logprob needs the logits at s - 1
+                max_match = min(max_match, max(req.logprob_start_len - 1, 0))
             match = self.cache.match_prefix(fill[:max_match], req.namespace)
             prefix = len(match.slots)
             extend = len(fill) - prefix
@@ -386,7 +386,7 @@ class Scheduler:
             completes = start + n == len(req.fill_ids)
             first = start + n - 1 if completes else start + n  # default: only the last token
             if req.wants_input_logprobs:
-                first = max(start, req.logprob_start_len)
+                first = max(start, req.logprob_start_len - 1, 0)
             elif completes and req.draft:  # rows from the last verified token on check the drafts
                 first = max(start, len(req.fill_ids) - 1 - req.draft)
             rows = list(range(offset + first - start, offset + n))
@@ -613,13 +613,13 @@ class Scheduler:
                     break
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor, start: int, completes: bool) -> None:
-        """Logits rows for positions max(start, s) .. start+n-1 of this chunk -> prompt logprobs."""
+        """Logits rows for positions max(start, s - 1) .. of this chunk -> logprobs of prompt tokens s.."""
         prompt = req.origin_input_ids
         s = req.logprob_start_len
-        if req.input_token_logprobs is None:
-            req.input_token_logprobs = [(None, prompt[s])]
-            req.input_top_logprobs = [None]
-        first_pos = max(start, s)
+        if req.input_token_logprobs is None:  # only the very first token has no logprob
+            req.input_token_logprobs = [(None, prompt[0])] if s == 0 else []
+            req.input_top_logprobs = [None] if s == 0 else []
+        first_pos = max(start, s - 1, 0)
         # row k holds the distribution of token at position first_pos + k + 1
         n_rows = logits.shape[0] - (1 if completes else 0)  # the last row of a full prompt is the output
         if n_rows > 0:

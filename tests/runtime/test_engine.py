@@ -74,11 +74,14 @@ def test_prompt_logprobs_match_reference(tiny_engine_factory, tiny_llama):
         lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
     got = out["meta_info"]["input_token_logprobs"]
     assert len(got) == len(prompt) - 5
-    assert got[0][0] is None and got[0][1] == prompt[5]
-    for k, (value, tid, _) in enumerate(got[1:], start=6):
+    for k, (value, tid, _) in enumerate(got, start=5):
         assert tid == prompt[k]
         assert abs(value - float(lp[k - 1, tid])) < 1e-4
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    whole = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                       logprob_start_len=0)["meta_info"]["input_token_logprobs"]
+    assert whole[0][0] is None and len(whole) == len(prompt)
+    assert [round(x[0], 4) for x in whole[5:]] == [round(x[0], 4) for x in got]
     assert_pool_back_to_start(e)
 
 
