@@ -70,8 +70,10 @@ class TorchAttnBackend(AttentionBackend):
             rows = torch.tensor(batch.req_pool_indices[ne:], dtype=torch.int64)
             idx = table[rows, :max_len]  # [nd, max_len]
             valid = torch.arange(max_len).unsqueeze(0) < dec_lens.unsqueeze(1)  # [nd, max_len]
-            self.decode_slots = torch.where(valid, idx, torch.zeros_like(idx))  # pad -> slot 0
-            self.decode_mask = valid[:, None, None, :]  # [nd, 1, 1, max_len]
+            # flat slot list for one index_select per layer (far faster than 2-D fancy indexing)
+            self.decode_slots = torch.where(valid, idx, torch.zeros_like(idx)).flatten()  # pad -> slot 0
+            self.decode_max_len = max_len
+            self.decode_mask = torch.zeros(nd, 1, 1, max_len).masked_fill(~valid[:, None, None, :], float("-inf"))
 
     def forward(self, q, k, v, layer_id):
         pool = self.pool
@@ -81,20 +83,30 @@ class TorchAttnBackend(AttentionBackend):
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for offset, n, slots, mask in self.extends:
             qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_buf[slots].transpose(0, 1).unsqueeze(0)  # [1, KV, total, D]
-            vi = v_buf[slots].transpose(0, 1).unsqueeze(0)
+            ki = k_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KV, total, D]
+            vi = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.num_heads != self.num_kv_heads)
             out[offset:offset + n] = o[0].transpose(0, 1)
         if self.num_decodes:
-            s = self.decode_offset
-            qd = q[s:].unsqueeze(2)  # [nd, H, 1, D]
-            kd = k_buf[self.decode_slots].transpose(1, 2)  # [nd, KV, max_len, D]
-            vd = v_buf[self.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-            out[s:] = o.squeeze(2)
+            out[self.decode_offset:] = self._decode(q[self.decode_offset:], k_buf, v_buf)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+        """All decodes at once, padded to the longest; heads grouped by KV head, no KV repeat.
+
+        Computed in fp32 (a bf16 batched matmul is slow on CPUs); the gather's copy does the cast.
+        """
+        nd, L, KV, D = q.shape[0], self.decode_max_len, self.num_kv_heads, self.head_dim
+
+        def gather(buf: torch.Tensor) -> torch.Tensor:  # -> [nd, KV, L, D] fp32, contiguous
+            g = buf.index_select(0, self.decode_slots).view(nd, L, KV, D).permute(0, 2, 1, 3)
+            return g.to(torch.float32, memory_format=torch.contiguous_format)
+
+        qg = q.float().view(nd, KV, self.num_heads // KV, D)  # q head h = g * rep + r
+        o = F.scaled_dot_product_attention(qg, gather(k_buf), gather(v_buf), attn_mask=self.decode_mask,
+                                           scale=self.scale)  # [nd, KV, rep, D]
+        return o.reshape(nd, self.num_heads, D).to(q.dtype)
 
 
 def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,
