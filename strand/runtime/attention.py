@@ -39,16 +39,21 @@ class AttentionBackend(ABC):
 class TorchAttnBackend(AttentionBackend):
     """Plain torch SDPA: correct for every case, and the reference for the Triton backend.
 
-    Decodes run as one padded batch (one gather of K/V per layer for all of them); extends run per
-    request, since each has its own causal shape over its cached prefix.
+    Extends run per request (each has its own causal shape over its cached prefix). Decodes run
+    in a few padded groups of similar length (one gather and one SDPA per group and layer), with
+    query heads grouped under their KV head so K/V are never repeated. Attention math runs in the
+    pool's dtype, fp32 on CPUs.
     """
+
+    DECODE_GROUP = 16  # decodes per padded group: fewer groups = fewer calls, more = less padding
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.batch = batch
         ne = batch.num_extends
         seq_lens = batch.seq_lens
         table = batch.req_to_token
-        # Extends: (token offset, length, kv slots, causal mask) per request.
+        dtype = self.pool.dtype
+        # Extends: (token offset, length, kv slots, mask or None for plain causal) per request.
         self.extends = []
         offset = 0
         for i in range(ne):
@@ -56,57 +61,56 @@ class TorchAttnBackend(AttentionBackend):
             slots = table[batch.req_pool_indices[i], :total]  # [total]
             prefix = total - n
             mask = None
-            if n > 1:
+            if n > 1 and prefix:
                 # query j (absolute position prefix + j) sees keys 0 .. prefix + j
-                mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=prefix)
+                allowed = torch.ones(n, total, dtype=torch.bool).tril(diagonal=prefix)
+                mask = torch.zeros(n, total, dtype=dtype).masked_fill(~allowed, float("-inf"))
             self.extends.append((offset, n, slots, mask))
             offset += n
         self.decode_offset = offset
+        # Decodes: sorted by length, cut into groups, each padded to its own longest.
+        self.decode_groups = []
         nd = batch.batch_size - ne
-        self.num_decodes = nd
         if nd:
-            dec_lens = torch.tensor(seq_lens[ne:], dtype=torch.int64)
-            max_len = int(dec_lens.max())
+            lens = torch.tensor(seq_lens[ne:], dtype=torch.int64)
+            order = torch.argsort(lens, descending=True)
             rows = torch.tensor(batch.req_pool_indices[ne:], dtype=torch.int64)
-            idx = table[rows, :max_len]  # [nd, max_len]
-            valid = torch.arange(max_len).unsqueeze(0) < dec_lens.unsqueeze(1)  # [nd, max_len]
-            # flat slot list for one index_select per layer (far faster than 2-D fancy indexing)
-            self.decode_slots = torch.where(valid, idx, torch.zeros_like(idx)).flatten()  # pad -> slot 0
-            self.decode_max_len = max_len
-            self.decode_mask = torch.zeros(nd, 1, 1, max_len).masked_fill(~valid[:, None, None, :], float("-inf"))
+            for g in range(0, nd, self.DECODE_GROUP):
+                members = order[g:g + self.DECODE_GROUP]  # [m] indices among the decodes
+                glens = lens[members]
+                max_len = int(glens[0])
+                valid = torch.arange(max_len).unsqueeze(0) < glens.unsqueeze(1)  # [m, max_len]
+                idx = table[rows[members], :max_len]
+                slots = torch.where(valid, idx, torch.zeros_like(idx)).flatten()  # pad -> slot 0
+                mask = torch.zeros(len(members), 1, 1, max_len, dtype=dtype)
+                mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+                self.decode_groups.append((members + offset, slots, max_len, mask))
 
     def forward(self, q, k, v, layer_id):
         pool = self.pool
         pool.store(layer_id, self.batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
-        T = q.shape[0]
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]  # [KV, slots, D]
+        T, H, D = q.shape
+        KV = self.num_kv_heads
+        gqa = H != KV
+        model_dtype = q.dtype
+        q = q.to(pool.dtype)
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         for offset, n, slots, mask in self.extends:
             qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KV, total, D]
-            vi = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            ki = k_buf.index_select(1, slots).unsqueeze(0)  # [1, KV, total, D]
+            vi = v_buf.index_select(1, slots).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None and n > 1,
+                                               scale=self.scale, enable_gqa=gqa)
             out[offset:offset + n] = o[0].transpose(0, 1)
-        if self.num_decodes:
-            out[self.decode_offset:] = self._decode(q[self.decode_offset:], k_buf, v_buf)
-        return out.reshape(T, self.num_heads * self.head_dim)
-
-    def _decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
-        """All decodes at once, padded to the longest; heads grouped by KV head, no KV repeat.
-
-        Computed in fp32 (a bf16 batched matmul is slow on CPUs); the gather's copy does the cast.
-        """
-        nd, L, KV, D = q.shape[0], self.decode_max_len, self.num_kv_heads, self.head_dim
-
-        def gather(buf: torch.Tensor) -> torch.Tensor:  # -> [nd, KV, L, D] fp32, contiguous
-            g = buf.index_select(0, self.decode_slots).view(nd, L, KV, D).permute(0, 2, 1, 3)
-            return g.to(torch.float32, memory_format=torch.contiguous_format)
-
-        qg = q.float().view(nd, KV, self.num_heads // KV, D)  # q head h = g * rep + r
-        o = F.scaled_dot_product_attention(qg, gather(k_buf), gather(v_buf), attn_mask=self.decode_mask,
-                                           scale=self.scale)  # [nd, KV, rep, D]
-        return o.reshape(nd, self.num_heads, D).to(q.dtype)
+        for rows, slots, max_len, mask in self.decode_groups:
+            m = len(rows)
+            qg = q.index_select(0, rows).view(m, KV, H // KV, D)  # q head h = g * rep + r
+            kg = k_buf.index_select(1, slots).view(KV, m, max_len, D).transpose(0, 1)  # [m, KV, L, D]
+            vg = v_buf.index_select(1, slots).view(KV, m, max_len, D).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
+            out.index_copy_(0, rows, o.reshape(m, H, D))
+        return out.reshape(T, H * D).to(model_dtype)
 
 
 def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,

@@ -6,18 +6,20 @@ import torch
 
 
 class KVPool:
-    """K and V for every layer, preallocated once: `[num_slots + 1, kv_heads, head_dim]` per layer.
+    """K and V for every layer, preallocated once, head-major: `[kv_heads, num_slots + 1, head_dim]`.
 
-    Slot 0 is never handed out: padded index tables point at it, so a gather never reads outside
-    the pool and the padding reads harmless zeros.
+    Head-major so that gathering a request's slots gives `[kv_heads, len, head_dim]`, the layout
+    attention consumes, with no transpose copy. Slot 0 is never handed out: padded index tables
+    point at it, so a gather never reads outside the pool and the padding reads harmless zeros.
     """
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.num_slots = num_slots
-        self.k_buffer = [torch.zeros(num_slots + 1, kv_heads, head_dim, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.k_buffer = [torch.zeros(kv_heads, num_slots + 1, head_dim, dtype=dtype, device=device)
                          for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(num_slots + 1, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v_buffer = [torch.zeros(kv_heads, num_slots + 1, head_dim, dtype=dtype, device=device)
                          for _ in range(num_layers)]
 
     @staticmethod
@@ -26,8 +28,8 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots [T]; k, v [T, kv_heads, head_dim]
-        self.k_buffer[layer_id][slots] = k
-        self.v_buffer[layer_id][slots] = v
+        self.k_buffer[layer_id][:, slots] = k.transpose(0, 1).to(self.dtype)
+        self.v_buffer[layer_id][:, slots] = v.transpose(0, 1).to(self.dtype)
 
 
 class TokenSlotAllocator:

@@ -63,9 +63,12 @@ class ModelRunner:
         logger.info("loaded %s (%s, %d layers) in %.1fs as %s on %s", self.model_path, config.arch,
                     config.num_layers, time.perf_counter() - t0, self.dtype, self.device)
 
+        # On CPUs the KV pool stays fp32 whatever the weights: attention runs in fp32 there (a bf16
+        # batched matmul is slow on CPUs), and a pool in that dtype needs no cast per gather.
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.max_total_tokens = self._kv_pool_size()
         self.kv_pool = KVPool(self.max_total_tokens, config.num_layers, config.num_kv_heads,
-                              config.head_dim, self.dtype, self.device)
+                              config.head_dim, self.kv_dtype, self.device)
         self.allocator = TokenSlotAllocator(self.max_total_tokens, self.device)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 8,
                                                 self.device)
@@ -75,7 +78,7 @@ class ModelRunner:
 
     def _kv_pool_size(self) -> int:
         a, c = self.args, self.config
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
         if a.max_total_tokens is not None:
             if a.max_total_tokens < 1:
                 raise ValueError("max_total_tokens: must be >= 1")

@@ -128,3 +128,20 @@ def test_mixed_batch_matches(pair):
     torch.testing.assert_close(got_d, hf_logits(ref, d), atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(got_b[0], hf_logits(ref, b)[-1], atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(got_c[0], hf_logits(ref, c)[-1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_reference(tiny_llama, dtype):
+    """Weights in half precision (the KV pool and attention stay fp32 on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(ServerArgs(model_path=tiny_llama, dtype=dtype, max_total_tokens=512))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    a, b = tokens(8, 30), tokens(9, 12)
+    s = Seqs(runner)
+    s.forward([("a", a[:-1], False), ("b", b[:-1], False)])
+    got_a, got_b = s.forward([("a", a[-1:], False), ("b", b[-1:], False)])
+    for got, ids in ((got_a, a), (got_b, b)):
+        want = hf_logits(ref, ids)[-1]
+        assert got.dtype == torch.float32
+        assert (got[0] - want).abs().max() < 0.1 * want.abs().max()
