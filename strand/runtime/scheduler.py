@@ -255,7 +255,8 @@ class Scheduler:
                 req.grammar = GrammarMatcher(fut.result())
             except Exception as e:
                 del self.reqs[req.rid]
-                self._finish_early(req, f"grammar: {e}")
+                field = "sampling_params.regex" if req.params.regex is not None else "sampling_params.json_schema"
+                self._finish_early(req, f"{field}: {e}")
                 continue
             self.waiting.append(req)
         self.grammar_queue = still
@@ -347,11 +348,14 @@ class Scheduler:
                 n = budget
             need = n + (self._reserve(req) if n == extend else 0)
             nothing_running = num_running == 0 and num_decodes == 0
-            if reserved + need > self._available() and not (nothing_running and n <= self._available()):
-                break
-            # Admit: lock the matched path, point the request's row at the cached slots.
-            req.req_pool_idx = self.req_pool.alloc()
+            # Lock first: the matched prefix stops being evictable, so it is not room for this request.
             self.cache.inc_lock_ref(match.last_node)
+            available = self._available()
+            if reserved + need > available and not (nothing_running and n <= available):
+                self.cache.dec_lock_ref(match.last_node)
+                break
+            # Admit: point the request's row at the cached slots.
+            req.req_pool_idx = self.req_pool.alloc()
             req.last_node = match.last_node
             self.req_to_token[req.req_pool_idx, :prefix] = match.slots
             req.kv_len = req.cache_len = prefix
