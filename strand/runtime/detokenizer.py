@@ -157,7 +157,7 @@ class DetokenizeSpec:
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
             stop=list(sp.stop),
             no_stop_trim=sp.no_stop_trim,
-            return_text_in_logprobs=bool(getattr(req, "return_text_in_logprobs", False)),
+            return_text_in_logprobs=req.return_text_in_logprobs,
             prompt_tail_ids=list(req.input_ids[-_PROMPT_CONTEXT_TOKENS:]),
         )
 

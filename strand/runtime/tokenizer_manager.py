@@ -48,19 +48,9 @@ class ServerDeadError(RuntimeError):
     """A child process died; nothing more will be answered."""
 
 
-@dataclass
-class GenerateInput:
-    """One prompt of a request, validated, before the `n` fan-out."""
-
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    input_text: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
+# One prompt of a request, validated, before the `n` fan-out: the wire message itself, whose
+# sub-requests (one per `n`) differ only in rid and seed.
+GenerateInput = TokenizedGenerateReq
 
 
 @dataclass
@@ -360,13 +350,7 @@ class TokenizerManager:
             sp = dataclasses.replace(inp.sampling_params, n=1)
             if inp.sampling_params.n > 1 and sp.seed is not None:
                 sp.seed = sp.seed + index  # n samples from one seed must differ
-            req = TokenizedGenerateReq(
-                rid=rid, input_ids=inp.input_ids, sampling_params=sp, input_text=inp.input_text,
-                return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
-                top_logprobs_num=inp.top_logprobs_num, stream=inp.stream,
-            )
-            # Read by the detokenizer (see DetokenizeSpec.from_req).
-            req.return_text_in_logprobs = inp.return_text_in_logprobs
+            req = dataclasses.replace(inp, rid=rid, sampling_params=sp)
             state = ReqState(rid=rid, index=index, return_logprob=inp.return_logprob, notify=notify)
             self.states[rid] = state
             states.append(state)
