@@ -89,6 +89,22 @@ def pct(xs, q):
 # --- engines: each gives compile(schema) -> handle, and run(handle, ids) -> (first, per-token mask times, accept ok) ---
 
 
+def timed_walk(ids, fill_mask, accept):
+    """Time fill_mask() and accept(t) for each token of `ids`; stops at the first refusal."""
+    masks, accepts = [], []
+    for t in ids:
+        t0 = time.perf_counter()
+        fill_mask()
+        t1 = time.perf_counter()
+        ok = accept(t)
+        t2 = time.perf_counter()
+        masks.append(t1 - t0)
+        accepts.append(t2 - t1)
+        if not ok:
+            return masks, accepts, False
+    return masks, accepts, True
+
+
 class StrandEngine:
     name = "strand"
 
@@ -106,18 +122,8 @@ class StrandEngine:
     def run(self, g, ids):
         m = GrammarMatcher(g)
         buf = torch.empty(1, g.mask_table.shape[1], dtype=torch.int32)
-        masks, accepts = [], []
-        for t in ids + [min(self.info.eos_token_ids)]:
-            t0 = time.perf_counter()
-            buf[0].copy_(g.mask_table[m.state])
-            t1 = time.perf_counter()
-            ok = m.accept_token(t)
-            t2 = time.perf_counter()
-            masks.append(t1 - t0)
-            accepts.append(t2 - t1)
-            if not ok:
-                return masks, accepts, False
-        return masks, accepts, True
+        return timed_walk(ids + [min(self.info.eos_token_ids)], lambda: buf[0].copy_(g.mask_table[m.state]),
+                          m.accept_token)
 
 
 class XGrammarEngine:
@@ -145,18 +151,7 @@ class XGrammarEngine:
     def run(self, g, ids):
         m = self.xgr.GrammarMatcher(g)
         bm = self.xgr.allocate_token_bitmask(1, self.vocab)
-        masks, accepts = [], []
-        for t in ids + [self.eos]:
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(bm)
-            t1 = time.perf_counter()
-            ok = m.accept_token(t)
-            t2 = time.perf_counter()
-            masks.append(t1 - t0)
-            accepts.append(t2 - t1)
-            if not ok:
-                return masks, accepts, False
-        return masks, accepts, True
+        return timed_walk(ids + [self.eos], lambda: m.fill_next_token_bitmask(bm), m.accept_token)
 
 
 class OutlinesEngine:
