@@ -233,6 +233,24 @@ def number_range(lo: int | None, lo_excl: bool, hi: int | None, hi_excl: bool):
 # --- the converter -------------------------------------------------------------------------
 
 
+def _count_bounds(s: dict, lo_key: str, hi_key: str, cap: int) -> tuple[int, int | None] | None:
+    """(lo, hi) of a min/max count pair (lengths, items); None when no count fits.
+
+    A minimum above `cap` is refused; a maximum above it is tightened to `cap`, which keeps every
+    output valid and the DFA small.
+    """
+    lo = int(s.get(lo_key, 0))
+    hi = s.get(hi_key)
+    hi = int(hi) if hi is not None else None
+    if hi is not None and hi < lo:
+        return None
+    if lo > cap:
+        raise GrammarCompileError(f"json: {lo_key} {lo} above {cap} is not supported")
+    if hi is not None and hi > cap:
+        hi = cap
+    return lo, hi
+
+
 class JsonSchemaConverter:
     def __init__(self, whitespace: str = "compact", max_depth: int = 3, max_ws: int = 4, deadline: float | None = None,
                  max_ref_unroll: int = 2):
@@ -490,15 +508,10 @@ class JsonSchemaConverter:
     # -- scalars --
 
     def string(self, s: dict):
-        lo = int(s.get("minLength", 0))
-        hi = s.get("maxLength")
-        hi = int(hi) if hi is not None else None
-        if hi is not None and hi < lo:
+        bounds = _count_bounds(s, "minLength", "maxLength", MAX_STRING_LENGTH)
+        if bounds is None:
             return NEVER
-        if lo > MAX_STRING_LENGTH:
-            raise GrammarCompileError(f"json: minLength {lo} above {MAX_STRING_LENGTH} is not supported")
-        if hi is not None and hi > MAX_STRING_LENGTH:
-            hi = MAX_STRING_LENGTH  # tightening an upper bound keeps every output valid
+        lo, hi = bounds
         fmt = s.get("format")
         pattern = s.get("pattern")
         fmt_re = None
@@ -698,15 +711,10 @@ class JsonSchemaConverter:
         return opt(alt(*[seq(items[i][0], tails[i + 1]) for i in range(len(items))]))
 
     def array(self, s: dict, refs: tuple, depth: int):
-        lo = int(s.get("minItems", 0))
-        hi = s.get("maxItems")
-        hi = int(hi) if hi is not None else None
-        if hi is not None and hi < lo:
+        bounds = _count_bounds(s, "minItems", "maxItems", MAX_ITEMS)
+        if bounds is None:
             return NEVER
-        if lo > MAX_ITEMS:
-            raise GrammarCompileError(f"json: minItems {lo} above {MAX_ITEMS} is not supported")
-        if hi is not None and hi > MAX_ITEMS:
-            hi = MAX_ITEMS  # tightened: still valid, the DFA stays small
+        lo, hi = bounds
         if s.get("uniqueItems") is True and (hi is None or hi > 1):
             raise GrammarCompileError("json: keyword 'uniqueItems' is not supported")
         items = s.get("items", True)
