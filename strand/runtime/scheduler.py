@@ -500,16 +500,27 @@ class Scheduler:
         req.grammar.rollback(k)
         if not req.grammar.accept_tokens(new_ids):
             return
-        del req.output_ids[keep:]
-        req.output_ids.extend(new_ids)
-        if req.return_logprob:  # forced tokens were not sampled: no logprob (drafts get theirs when checked)
-            del req.output_token_logprobs[keep:]
-            req.output_token_logprobs.extend((None, t) for t in new_ids)
-            if req.top_logprobs_num:
-                del req.output_top_logprobs[keep:]
-                req.output_top_logprobs.extend([] for _ in new_ids)
+        self._truncate_output(req, keep)
+        self._append_unsampled(req, new_ids)
         self.stats["jump_forward_tokens"] += len(new_ids)
         self.stats["generation_tokens_total"] += len(new_ids) - k
+
+    @staticmethod
+    def _truncate_output(req: Req, keep: int) -> None:
+        """Drop output tokens from `keep` on, with their logprob entries."""
+        del req.output_ids[keep:]
+        del req.output_token_logprobs[keep:]
+        del req.output_top_logprobs[keep:]
+
+    @staticmethod
+    def _append_unsampled(req: Req, ids: list[int]) -> None:
+        """Append tokens the model did not sample (forced text): no logprob yet (drafts get theirs
+        when checked)."""
+        req.output_ids.extend(ids)
+        if req.return_logprob:
+            req.output_token_logprobs.extend((None, t) for t in ids)
+            if req.top_logprobs_num:
+                req.output_top_logprobs.extend([] for _ in ids)
 
     def _draft_forced(self, req: Req) -> None:
         """Greedy: the forced text's tokens become drafts; the next pass checks each against the
@@ -521,12 +532,8 @@ class Scheduler:
         drafts = self.tokenizer.encode(forced, add_special_tokens=False)[:max(room, 0)]
         if not drafts or not req.grammar.accept_tokens(drafts):
             return
-        req.output_ids.extend(drafts)
+        self._append_unsampled(req, drafts)
         req.draft = len(drafts)
-        if req.return_logprob:  # filled in when the drafts are checked
-            req.output_token_logprobs.extend((None, t) for t in drafts)
-            if req.top_logprobs_num:
-                req.output_top_logprobs.extend([] for _ in drafts)
 
     @staticmethod
     def _drafts_verifiable(req: Req) -> bool:
@@ -564,12 +571,7 @@ class Scheduler:
         else:
             return True
         # Disagreement at draft j: the model's greedy token replaces drafts j..m-1.
-        keep = len(req.output_ids) - m + j
-        del req.output_ids[keep:]
-        if req.return_logprob:
-            del req.output_token_logprobs[keep:]
-            if req.top_logprobs_num:
-                del req.output_top_logprobs[keep:]
+        self._truncate_output(req, len(req.output_ids) - m + j)
         req.output_ids.append(choice)
         req.grammar.accept_token(choice)
         if lp is not None:
@@ -657,12 +659,7 @@ class Scheduler:
         """Give back a request's KV: into the tree (duplicates freed) or, cache off, to the allocator."""
         if req.draft:  # unverified jump-forward tokens are dropped, never cached or reported
             req.grammar.rollback(req.draft)
-            keep = len(req.output_ids) - req.draft
-            del req.output_ids[keep:]
-            if req.return_logprob:
-                del req.output_token_logprobs[keep:]
-                if req.top_logprobs_num:
-                    del req.output_top_logprobs[keep:]
+            self._truncate_output(req, len(req.output_ids) - req.draft)
             req.draft = 0
         if req.req_pool_idx is None:
             return

@@ -103,3 +103,21 @@ def test_uncompilable_specs_are_clear_errors(default_engine, params, needle):
         default_engine.generate(prompt="hi", sampling_params={"max_new_tokens": 5, **params})
     ok = default_engine.generate(prompt="hi", sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert len(ok["output_ids"]) == 2
+
+
+def test_jump_forward_keeps_logprobs_aligned(default_engine, jump_forward):
+    jump_forward(True)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "zip": {"type": "integer"}}, "required": ["city", "zip"]}
+    s = default_engine.scheduler
+    before = s.stats["jump_forward_tokens"]
+    out = default_engine.generate(prompt=prompt(default_engine, "Answer with a JSON value."),
+                                  sampling_params={"temperature": 0, "max_new_tokens": 40,
+                                                   "json_schema": json.dumps(schema)},
+                                  return_logprob=True, top_logprobs_num=2)
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert s.stats["jump_forward_tokens"] > before
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert len(out["meta_info"]["output_top_logprobs"]) == len(out["output_ids"])
+    # greedy drafts are checked by the model, so every token has its real logprob
+    assert all(lp is not None and lp <= 0 for lp, _, _ in lps)
