@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from strand.constrained.errors import GrammarCompileError
-from strand.constrained.fsm import build_token_index, char_fsm_to_byte_dfa, check_deadline, prune_and_minimize, regex_to_char_fsm
-from strand.constrained.json_schema import JsonSchemaConverter, regex_escape
+from strand.constrained import regex as R
+from strand.constrained.automaton import check_deadline, compile_node
+from strand.constrained.fsm import build_token_index
+from strand.constrained.json_schema import JsonSchemaConverter
 from strand.constrained.tokenizer_info import TokenizerInfo
 
 KINDS = ("regex", "json", "json_object", "choices")
@@ -62,11 +64,9 @@ class CompiledGrammar:
 
 
 def _build(kind: str, spec: str, info: TokenizerInfo, source, deadline: float | None, t0: float) -> CompiledGrammar:
-    fsm = regex_to_char_fsm(source) if isinstance(source, str) else source
-    check_deadline(deadline)
-    T, acc, init = char_fsm_to_byte_dfa(fsm, deadline)
-    check_deadline(deadline)
-    T, acc = prune_and_minimize(T, acc, init)
+    node = R.regex_node(source) if isinstance(source, str) else source
+    dfa = compile_node(node, deadline)
+    T, acc = dfa.byte_table(), dfa.accepting.copy()
     check_deadline(deadline)
     mask_u32 = build_token_index(T, acc, info, deadline)
     live = T >= 0
@@ -292,7 +292,7 @@ class GrammarCompiler:
         return _build(kind, spec, self.tokenizer_info, source, deadline, t0)
 
     def to_source(self, kind: str, spec: str, deadline: float | None = None):
-        """The regex (str) or interegular FSM that (kind, spec) compiles through."""
+        """The regex (str) or regex node (see regex.py) that (kind, spec) compiles through."""
         if kind == "regex":
             if not isinstance(spec, str) or not spec:
                 raise GrammarCompileError("regex: empty pattern")
@@ -304,7 +304,7 @@ class GrammarCompiler:
                 raise GrammarCompileError(f"choices: not a JSON list: {e}") from None
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
                 raise GrammarCompileError("choices: must be a non-empty JSON list of strings")
-            return "(?:" + "|".join(regex_escape(c) for c in dict.fromkeys(choices)) + ")"
+            return R.alt(*[R.lit(c) for c in choices])
         conv = JsonSchemaConverter(self.whitespace, self.max_json_depth, self.max_whitespace, deadline)
         if kind == "json_object":
             return conv.convert({"type": "object"})

@@ -1,4 +1,4 @@
-"""JSON schema -> regex (or, where a string needs an intersection, an interegular FSM).
+"""JSON schema -> regex node (see regex.py); an intersection inside a string becomes a built DFA.
 
 What is generated is always a subset of what the schema accepts, chosen so that the subset is
 still useful: properties in declared order, no undeclared properties, bounded nesting for free
@@ -14,8 +14,10 @@ import json
 import math
 import re
 
+from strand.constrained import regex as R
+from strand.constrained.automaton import check_deadline, compile_node, intersect
 from strand.constrained.errors import GrammarCompileError
-from strand.constrained.fsm import check_deadline, literal_char, regex_to_char_fsm
+from strand.constrained.fsm import literal_char
 
 # One JSON string character: unescaped, a short escape, or a \u escape outside the surrogate
 # range (so the decoded length equals the number of units, which minLength/maxLength count).
@@ -74,78 +76,45 @@ MAX_ITEMS = 32
 ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
-class _Never:
-    """The empty language (e.g. a recursive $ref past the unroll depth)."""
-
-    def __repr__(self):
-        return "NEVER"
-
-
-NEVER = _Never()
+NEVER = R.NEVER  # the empty language (e.g. a recursive $ref past the unroll depth)
+SAFE_SET = R.cs_complement(R.cs_union(R.cs_of('"\\'), ((0, 0x1F),)))
 
 
 def regex_escape(s: str) -> str:
     return "".join(literal_char(c) if not c.isalnum() or ord(c) < 0x20 else c for c in s)
 
 
-def json_literal(value) -> str:
-    return regex_escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+def json_literal(value):
+    return R.lit(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-# --- the regex/FSM algebra ---------------------------------------------------------------
+# --- the node algebra ------------------------------------------------------------------------
+# Parts are regex strings (parsed once, cached) or nodes of strand.constrained.regex; results are
+# nodes. NEVER (the empty language) is one object, so `x is NEVER` tests for it.
 
 
-def _fsm(p):
-    return regex_to_char_fsm(p) if isinstance(p, str) else p
+def _n(p):
+    return R.fullmatch(R.parse(p)) if isinstance(p, str) else p
+
+
+def _canon(node):
+    return NEVER if node == NEVER else node
 
 
 def seq(*parts):
-    if any(p is NEVER for p in parts):
-        return NEVER
-    if all(isinstance(p, str) for p in parts):
-        return "".join(parts)
-    from interegular.fsm import FSM
-
-    return FSM.concatenate(*[_fsm(p) for p in parts if not (isinstance(p, str) and p == "")])
+    return _canon(R.seq(*[_n(p) for p in parts]))
 
 
 def alt(*parts):
-    parts = [p for p in parts if p is not NEVER]
-    uniq = list(dict.fromkeys(p for p in parts if isinstance(p, str))) + [p for p in parts if not isinstance(p, str)]
-    if not uniq:
-        return NEVER
-    if len(uniq) == 1:
-        return uniq[0]
-    if all(isinstance(p, str) for p in uniq):
-        return "(?:" + "|".join(uniq) + ")"
-    from interegular.fsm import FSM
-
-    return FSM.union(*[_fsm(p) for p in uniq])
+    return _canon(R.alt(*[_n(p) for p in parts]))
 
 
 def opt(p):
-    if p is NEVER or (isinstance(p, str) and p == ""):
-        return ""
-    if isinstance(p, str):
-        return "(?:" + p + ")?"
-    return alt("", p)
+    return _canon(R.opt(_n(p)))
 
 
 def rep(p, lo: int, hi: int | None):
-    if p is NEVER:
-        return "" if lo == 0 else NEVER
-    if isinstance(p, str):
-        if hi is None:
-            return "(?:" + p + ")" + ("*" if lo == 0 else "+" if lo == 1 else "{%d,}" % lo)
-        if lo == hi == 1:
-            return p
-        return "(?:" + p + "){%d,%d}" % (lo, hi) if lo != hi else "(?:" + p + "){%d}" % lo
-    parts = [p] * lo
-    if hi is None:
-        parts.append(p.star())
-    else:
-        parts += [opt(p)] * (hi - lo)
-    return seq(*parts) if parts else ""
+    return _canon(R.rep(_n(p), lo, hi))
 
 
 # --- numbers ---------------------------------------------------------------------------------
@@ -525,39 +494,35 @@ class JsonSchemaConverter:
                 return STRING
             # Counted strings use unescaped characters only: a counter over the escape-aware
             # unit multiplies the DFA by its ~20 states (sound: a subset of the valid strings).
-            return '"' + rep(SAFE_CHAR, lo, hi) + '"'
+            return seq('"', rep(SAFE_CHAR, lo, hi), '"')
         if pattern is None and lo == 0 and hi is None:
-            return '"' + fmt_re + '"'
-        # Intersection of the pattern (search semantics), the format and the length, over
-        # characters that need no escape.
-        fsm = regex_to_char_fsm(SAFE_CHAR + "*")
+            return seq('"', fmt_re, '"')
+        # The pattern (search semantics), the format and the length, over characters that need
+        # no escape; more than one of them is an intersection of DFAs.
+        parts = []
         if pattern is not None:
-            fsm = fsm & regex_to_char_fsm(self.pattern_regex(pattern))
+            if not isinstance(pattern, str):
+                raise GrammarCompileError("json: 'pattern' must be a string")
+            try:
+                parts.append(R.search(R.parse(pattern), SAFE_SET))
+            except GrammarCompileError as e:
+                raise GrammarCompileError(f"json: pattern {pattern!r}: {str(e).removeprefix('regex: ')}") from None
         if fmt_re is not None:
-            fsm = fsm & regex_to_char_fsm(fmt_re)
+            parts.append(_n(fmt_re))
         if lo or hi is not None:
-            fsm = fsm & regex_to_char_fsm(rep(SAFE_CHAR, lo, hi))
-        check_deadline(self.deadline)
-        if fsm.empty():
-            return NEVER
-        return seq('"', fsm, '"')
-
-    @staticmethod
-    def pattern_regex(pattern: str) -> str:
-        """A JSON-schema pattern (unanchored search) as a full-match regex over safe chars."""
-        from strand.constrained.fsm import _ends_with_dollar, _has_top_level_bar
-
-        start = pattern.startswith("^")
-        end = _ends_with_dollar(pattern)
-        body = pattern
-        if (start or end) and _has_top_level_bar(pattern):
-            raise GrammarCompileError(f"json: pattern {pattern!r}: anchors with a top-level '|' are not supported")
-        if start:
-            body = body[1:]
-        if end:
-            body = body[:-1]
-        body = "(?:" + body + ")"
-        return ("" if start else SAFE_CHAR + "*") + body + ("" if end else SAFE_CHAR + "*")
+            parts.append(rep(SAFE_CHAR, lo, hi))
+        body = parts[0]
+        if len(parts) > 1:
+            try:
+                dfa = compile_node(parts[0], self.deadline)
+                for p in parts[1:]:
+                    dfa = intersect(dfa, compile_node(p, self.deadline), self.deadline)
+            except GrammarCompileError as e:
+                if "accepts no string" in str(e):
+                    return NEVER
+                raise
+            body = ("d", dfa)
+        return seq('"', body, '"')
 
     def bounds(self, s: dict):
         lo, lo_excl, hi, hi_excl = s.get("minimum"), False, s.get("maximum"), False
@@ -769,17 +734,15 @@ class JsonSchemaConverter:
 
 @functools.lru_cache(maxsize=32)
 def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth):
-    """Built as FSMs (the regex would repeat the inner value 4x per level), reduced per level."""
-    from interegular.fsm import FSM
-
+    """Built level by level as minimal DFAs (the regex would repeat the inner value 4x per
+    level); cached per whitespace policy and depth."""
     if depth <= 0:
-        return regex_to_char_fsm(scalars)
+        return ("d", compile_node(_n(scalars)))
     inner = _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth - 1)
-    P = regex_to_char_fsm
-    pair = FSM.concatenate(P(STRING + colon), inner)
-    obj = FSM.concatenate(P(lbrace), opt(FSM.concatenate(pair, FSM.concatenate(P(comma), pair).star())), P(rbrace))
-    arr = FSM.concatenate(P(lbracket), opt(FSM.concatenate(inner, FSM.concatenate(P(comma), inner).star())), P(rbracket))
-    return FSM.union(P(scalars), obj, arr).reduce()
+    pair = seq(STRING + colon, inner)
+    obj = seq(lbrace, opt(seq(pair, rep(seq(comma, pair), 0, None))), rbrace)
+    arr = seq(lbracket, opt(seq(inner, rep(seq(comma, inner), 0, None))), rbracket)
+    return ("d", compile_node(alt(scalars, obj, arr)))
 
 
 def _type_of(v) -> str:

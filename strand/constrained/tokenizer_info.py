@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +115,88 @@ def _build_trie(token_bytes: list[bytes | None], usable: np.ndarray) -> VocabTri
     )
 
 
+def _utf8_char_len(data: bytes, i: int) -> int:
+    """Length of the complete, valid UTF-8 character at data[i:], or 0."""
+    b0 = data[i]
+    if b0 < 0x80:
+        return 1
+    if 0xC2 <= b0 <= 0xDF:
+        n, lo, hi = 2, 0x80, 0xBF
+    elif 0xE0 <= b0 <= 0xEF:
+        n = 3
+        lo, hi = (0xA0, 0xBF) if b0 == 0xE0 else (0x80, 0x9F) if b0 == 0xED else (0x80, 0xBF)
+    elif 0xF0 <= b0 <= 0xF4:
+        n = 4
+        lo, hi = (0x90, 0xBF) if b0 == 0xF0 else (0x80, 0x8F) if b0 == 0xF4 else (0x80, 0xBF)
+    else:
+        return 0
+    if i + n > len(data) or not lo <= data[i + 1] <= hi:
+        return 0
+    if any(not 0x80 <= data[i + k] <= 0xBF for k in range(2, n)):
+        return 0
+    return n
+
+
+class TokenTable:
+    """The vocabulary as arrays, for classifying every token against a character class at once.
+
+    For each token, its leading complete UTF-8 characters: `codes[t, k]` is the k-th character's
+    byte if ASCII, 256 if non-ASCII, 257 past the last complete character; `char_end[t, k]` is
+    the byte offset after k characters. Unusable tokens (None bytes) have no characters and
+    length 0.
+    """
+
+    def __init__(self, token_bytes):
+        V = len(token_bytes)
+        L = max((len(tb) for tb in token_bytes if tb), default=1)
+        self.bytes = np.zeros((V, L), dtype=np.uint8)
+        self.length = np.zeros(V, dtype=np.int64)
+        self.usable = np.zeros(V, dtype=bool)
+        codes = np.full((V, L + 1), 257, dtype=np.int16)
+        char_end = np.zeros((V, L + 1), dtype=np.int64)
+        for t, tb in enumerate(token_bytes):
+            if not tb:
+                continue
+            self.usable[t] = True
+            self.length[t] = len(tb)
+            self.bytes[t, : len(tb)] = np.frombuffer(tb, dtype=np.uint8)
+            i = k = 0
+            while i < len(tb):
+                n = _utf8_char_len(tb, i)
+                if n == 0:
+                    break
+                codes[t, k] = tb[i] if n == 1 else 256
+                i += n
+                k += 1
+                char_end[t, k] = i
+            char_end[t, k + 1 :] = i
+        self.codes = codes
+        self.char_end = char_end
+        self.max_chars = L
+        self._classified: dict = {}
+        self._lock = threading.Lock()
+
+    def classify(self, key: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """key: 129 bytes, key[b] = 1 if ASCII byte b is in the class, key[128] = 1 if every
+        non-ASCII character is. Returns (c, pure): c[t] = number of leading characters of
+        token t in the class; pure[t] = the whole token is such characters."""
+        with self._lock:
+            hit = self._classified.get(key)
+        if hit is None:
+            k = np.frombuffer(key, dtype=np.uint8).astype(bool)
+            lut = np.zeros(258, dtype=bool)
+            lut[:128], lut[256] = k[:128], k[128]
+            inside = lut[self.codes]
+            c = np.argmin(inside, axis=1)  # the last column is always outside
+            pure = self.usable & (self.char_end[np.arange(len(c)), c] == self.length)
+            hit = (c, pure)
+            with self._lock:
+                if len(self._classified) >= 64:
+                    self._classified.pop(next(iter(self._classified)))
+                self._classified[key] = hit
+        return hit
+
+
 @dataclass(frozen=True, eq=False)
 class TokenizerInfo:
     """Per-token bytes of a tokenizer, padded to the model's logits width.
@@ -167,6 +250,10 @@ class TokenizerInfo:
     def trie(self) -> VocabTrie:
         usable = np.array([tb is not None for tb in self.token_bytes], dtype=bool)
         return _build_trie(list(self.token_bytes), usable)
+
+    @functools.cached_property
+    def token_table(self) -> TokenTable:
+        return TokenTable(self.token_bytes)
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
