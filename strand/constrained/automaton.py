@@ -91,6 +91,39 @@ class _Nfa:
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
         self.deadline = deadline
+        self.shared: dict[tuple, int] = {}  # (canonical node id, end state) -> start state
+        self._canon_by_obj: dict[int, int] = {}  # id(node) -> canonical id (nodes outlive the build)
+        self._canon_by_key: dict[tuple, int] = {}
+        self.lit_tails: dict[tuple, int] = {}  # (bytes, end state) -> start state
+
+    def canon(self, node) -> int:
+        """Equal nodes get equal ids (hash-consing over the node DAG, once per object)."""
+        c = self._canon_by_obj.get(id(node))
+        if c is not None:
+            return c
+        kind = node[0]
+        if kind in ("s", "a"):
+            key = (kind, tuple(self.canon(x) for x in node[1]))
+        elif kind == "r":
+            key = ("r", self.canon(node[1]), node[2], node[3])
+        elif kind == "d":
+            key = ("d", id(node[1]))
+        else:
+            key = node
+        c = self._canon_by_key.setdefault(key, len(self._canon_by_key))
+        self._canon_by_obj[id(node)] = c
+        return c
+
+    def _literal_tail(self, rest: bytes, e: int) -> int:
+        """The state from which exactly `rest` leads to e (shared by literals ending alike)."""
+        if not rest:
+            return e
+        key = (rest, e)
+        n = self.lit_tails.get(key)
+        if n is None:
+            n = self.lit_tails[key] = self.new()
+            self.edges[n].append((rest[0], rest[0], self._literal_tail(rest[1:], e)))
+        return n
 
     def new(self) -> int:
         self.eps.append([])
@@ -102,35 +135,38 @@ class _Nfa:
         kind = node[0]
         if kind == "l":
             data = node[1]
-            cur = s
-            for b in data[:-1]:
-                n = self.new()
-                self.edges[cur].append((b, b, n))
-                cur = n
-            self.edges[cur].append((data[-1], data[-1], e))
+            self.edges[s].append((data[0], data[0], self._literal_tail(data[1:], e)))
         elif kind == "c":
-            mid: dict = {}
+            # Sequences share their tails (all UTF-8 sequences end in 80-BF runs), so a character
+            # class adds one state per distinct tail instead of one per sequence.
+            tails: dict = {(): e}
+
+            def tail(rest: tuple) -> int:
+                n = tails.get(rest)
+                if n is None:
+                    n = tails[rest] = self.new()
+                    self.edges[n].append((rest[0][0], rest[0][1], tail(rest[1:])))
+                return n
+
             for sq in utf8_sequences(node[1]):
-                cur = s
-                for k in range(len(sq) - 1):
-                    key = sq[: k + 1]
-                    n = mid.get(key)
-                    if n is None:
-                        n = mid[key] = self.new()
-                        self.edges[cur].append((sq[k][0], sq[k][1], n))
-                    cur = n
-                self.edges[cur].append((sq[-1][0], sq[-1][1], e))
+                self.edges[s].append((sq[0][0], sq[0][1], tail(sq[1:])))
         elif kind == "s":
+            # Built from the end, sharing the states of a suffix of items already wired to the
+            # same end (the same node objects: alternatives that end alike, like the optional
+            # members after a property), so the DFA has one copy of a shared tail.
             items = node[1]
             if not items:
                 self.eps[s].append(e)
                 return
-            cur = s
-            for item in items[:-1]:
-                n = self.new()
-                self.add(item, cur, n)
+            cur = e
+            for item in reversed(items[1:]):
+                key = (self.canon(item), cur)
+                n = self.shared.get(key)
+                if n is None:
+                    n = self.shared[key] = self.new()
+                    self.add(item, n, cur)
                 cur = n
-            self.add(items[-1], cur, e)
+            self.add(items[0], s, cur)
         elif kind == "a":
             for item in node[1]:  # branches share s and e: loops never pass through either
                 self.add(item, s, e)
@@ -224,8 +260,12 @@ def _determinize(nfa: _Nfa, start: int, final: int, deadline: float | None):
     def row_of(k: int) -> list:  # sparse [(class, closure bits)] of important state number k
         r = rows_memo.get(k)
         if r is None:
+            edges = nfa.edges[important[k]]
+            if len(edges) == 1 and cls_of[edges[0][0]] == cls_of[edges[0][1]]:  # one byte class
+                r = rows_memo[k] = [(cls_of[edges[0][0]], closure(edges[0][2]))]
+                return r
             dense: dict[int, int] = {}
-            for lo, hi, t in nfa.edges[important[k]]:
+            for lo, hi, t in edges:
                 cb = closure(t)
                 for c in range(cls_of[lo], cls_of[hi] + 1):
                     dense[c] = dense.get(c, 0) | cb
@@ -315,13 +355,19 @@ def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0,
     remap[ids] = np.arange(len(ids), dtype=np.int32)
     T2 = remap[np.where(T[ids] >= 0, T[ids], S)]
     acc2 = acc[ids]
-    cls = acc2.astype(np.int64)
-    n_cls = len(np.unique(cls))
+    live_cols = np.concatenate([acc2[:, None], T2 >= 0], axis=1)
+    _, cls = _unique_rows(np.packbits(live_cols, axis=1))
+    cls = cls.astype(np.int32)
+    n_cls = int(cls.max()) + 1
     rounds = 0
+    safe = np.maximum(T2, 0)
+    dead = T2 < 0
     while True:
-        nxt_cls = np.where(T2 >= 0, cls[np.maximum(T2, 0)], -1)
+        nxt_cls = cls[safe]
+        nxt_cls[dead] = -1
         sig = np.concatenate([cls[:, None], nxt_cls], axis=1)
         _, new_cls = _unique_rows(sig)
+        new_cls = new_cls.astype(np.int32)
         n_new = int(new_cls.max()) + 1
         cls = new_cls
         rounds += 1

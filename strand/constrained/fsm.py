@@ -13,7 +13,7 @@ import numpy as np
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.tokenizer_info import TokenizerInfo
 
-from strand.constrained.automaton import DEAD, check_deadline  # noqa: F401  (re-exported)
+from strand.constrained.automaton import DEAD, _ranges, check_deadline  # noqa: F401  (DEAD re-exported)
 
 
 def literal_char(c: str) -> str:
@@ -43,27 +43,28 @@ def _trie_walk(T: np.ndarray, info: TokenizerInfo, origins: np.ndarray, deadline
     origin = np.repeat(origins.astype(np.int64), len(lvl1))
     node = np.tile(lvl1, len(origins))
     st = T[origin, trie.byte[node]]
+    child_start, child_count, node_token, byte = trie.child_start, trie.child_count, trie.node_token, trie.byte
     while True:
         check_deadline(deadline)
-        alive = st >= 0
-        origin, node, st = origin[alive], node[alive], st[alive]
-        if not len(node):
+        alive = np.flatnonzero(st >= 0)
+        if not len(alive):
             break
-        tok = trie.node_token[node]
-        has = tok >= 0
+        origin, node, st = origin[alive], node[alive], st[alive]
+        tok = node_token[node]
+        has = np.flatnonzero(tok >= 0)
         out_o.append(origin[has])
         out_t.append(tok[has])
         out_n.append(st[has])
-        cnt = trie.child_count[node]
-        total = int(cnt.sum())
-        if total == 0:
+        cnt = child_count[node]
+        keep = np.flatnonzero(cnt)
+        if not len(keep):
             break
-        rep = np.repeat(np.arange(len(node)), cnt)
-        offs = np.cumsum(cnt) - cnt
-        child = trie.child_start[node][rep] + (np.arange(total) - offs[rep])
-        origin = origin[rep]
-        st = T[st[rep], trie.byte[child]]
-        node = child
+        origin, node, st, cnt = origin[keep], node[keep], st[keep], cnt[keep]
+        ends = np.cumsum(cnt)
+        total = int(ends[-1])
+        node = np.arange(total) + np.repeat(child_start[node] - (ends - cnt), cnt)
+        origin = np.repeat(origin, cnt)
+        st = T[np.repeat(st, cnt), byte[node]]
     origin = np.concatenate(out_o) if out_o else np.zeros(0, np.int64)
     tok = np.concatenate(out_t).astype(np.int64) if out_t else np.zeros(0, np.int64)
     nxt = np.concatenate(out_n) if out_n else np.zeros(0, np.int64)
@@ -120,6 +121,8 @@ def build_token_index_exact(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo,
 # token is classified once per character class (cached per tokenizer): the leading characters in
 # the class move along the chain in one step, and only tokens with other bytes are walked.
 
+_MIN_CHAIN_LEN = 4  # characters a chain must take in one step to be worth it
+_MAX_CHAIN_WALK = 4096  # tokens to walk past a chain above which the trie walk is used
 _MIN_CHAIN_ASCII = 32  # ASCII bytes sharing one target that make a state a chain state
 
 
@@ -215,35 +218,56 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
     S, W, V = T.shape[0], info.num_words, info.vocab_size
     tt = info.token_table
     key_id, keys, nxt = _chain_states(T)
-    other = np.nonzero(key_id < 0)[0]
-    o, t, n = _trie_walk(T, info, other, deadline)
-    parts_o, parts_t, parts_n = [o], [t], [n]
-    pure_rows: dict[int, np.ndarray] = {}
     L = tt.max_chars
-    for k, key in enumerate(keys):
+    chains: dict[int, list[int]] = {}  # states after 0, 1, ... characters of the class
+    for q in np.nonzero(key_id >= 0)[0].tolist():
+        chain = [q]
+        while len(chain) <= L and key_id[chain[-1]] == key_id[q]:
+            chain.append(int(nxt[chain[-1]]))
+        if len(chain) - 1 >= _MIN_CHAIN_LEN:
+            chains[q] = chain
+        else:  # a short chain saves little: most tokens would be walked past its end anyway
+            key_id[q] = -1
+    mask = np.zeros((S, W), dtype=np.uint32)
+    packed_pure: dict[tuple, np.ndarray] = {}  # (key, d) -> packed row of the tokens taken whole
+    walk_q, walk_t, walk_st, walk_off = [], [], [], []
+    for q, chain in chains.items():
         check_deadline(deadline)
-        c, pure = tt.classify(key)
-        for q in np.nonzero(key_id == k)[0].tolist():
-            chain = [q]  # states after 0, 1, ... characters of the class
-            while len(chain) <= L and key_id[chain[-1]] == k:
-                chain.append(int(nxt[chain[-1]]))
-            d = len(chain) - 1  # characters the chain can take in one step
-            direct = pure & (c <= d)
-            pure_rows[q] = direct
-            rest = np.nonzero(tt.usable & ~direct)[0]
-            kk = np.minimum(c[rest], d)
-            st = _walk(T, tt, np.asarray(chain, dtype=np.int64)[kk], rest, tt.char_end[rest, kk])
-            ok = st >= 0
-            parts_o.append(np.full(int(ok.sum()), q, dtype=np.int64))
-            parts_t.append(rest[ok])
-            parts_n.append(st[ok])
-    origin, tok, nxt_state = np.concatenate(parts_o), np.concatenate(parts_t), np.concatenate(parts_n)
-    mask = _pack(origin, tok.astype(np.int64), S, W)
-    if pure_rows:
-        qs = np.fromiter(pure_rows, dtype=np.int64)
-        bits = np.zeros((len(qs), W * 32), dtype=bool)
-        bits[:, :V] = np.stack([pure_rows[q] for q in qs.tolist()])
-        mask[qs] |= np.packbits(bits, axis=1, bitorder="little").view(np.uint32)
+        cls = tt.classify(keys[key_id[q]])
+        d = len(chain) - 1  # characters the chain can take in one step
+        chain_arr = np.asarray(chain, dtype=np.int64)
+        # Tokens whose class run ends (c <= d) at a byte the chain state there lets through...
+        g = np.nonzero(cls.group_c <= d)[0]
+        g = g[T[chain_arr[cls.group_c[g]], cls.group_byte[g]] >= 0]
+        walked = [cls.broken[_ranges(cls.group_start[g], cls.group_start[g + 1])]]
+        # ... and tokens with more class characters than the chain takes: walk the rest.
+        walked.append(cls.by_c[np.searchsorted(cls.c_sorted, d, side="right"):])
+        rest = np.concatenate(walked)
+        if len(rest) > _MAX_CHAIN_WALK:  # most tokens get past the chain: the trie does better
+            key_id[q] = -1
+            continue
+        kk = np.minimum(cls.c[rest], d)
+        row = packed_pure.get((key_id[q], d))
+        if row is None:
+            bits = np.zeros(W * 32, dtype=bool)
+            bits[:V] = cls.pure & (cls.c <= d)
+            row = packed_pure[(key_id[q], d)] = np.packbits(bits, bitorder="little").view(np.uint32)
+        mask[q] = row
+        walk_q.append(np.full(len(rest), q, dtype=np.int64))
+        walk_t.append(rest)
+        walk_st.append(chain_arr[kk])
+        walk_off.append(tt.char_end[rest, kk])
+    o, t, n = _trie_walk(T, info, np.nonzero(key_id < 0)[0], deadline)
+    parts_o, parts_t, parts_n = [o], [t], [n]
+    if walk_q:
+        q_all, t_all = np.concatenate(walk_q), np.concatenate(walk_t)
+        st = _walk(T, tt, np.concatenate(walk_st), t_all, np.concatenate(walk_off))
+        ok = st >= 0
+        parts_o.append(q_all[ok])
+        parts_t.append(t_all[ok])
+        parts_n.append(st[ok])
+    origin, tok = np.concatenate(parts_o), np.concatenate(parts_t)
+    mask |= _pack(origin, tok.astype(np.int64), S, W)
     # A state with no token that is not accepting would need the exact, iterative pruning.
     has_tok = mask.any(1)
     if (~has_tok & ~acc).any():

@@ -176,25 +176,51 @@ class TokenTable:
         self._classified: dict = {}
         self._lock = threading.Lock()
 
-    def classify(self, key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def classify(self, key: bytes) -> "TokenClasses":
         """key: 129 bytes, key[b] = 1 if ASCII byte b is in the class, key[128] = 1 if every
-        non-ASCII character is. Returns (c, pure): c[t] = number of leading characters of
-        token t in the class; pure[t] = the whole token is such characters."""
+        non-ASCII character is. Cached per key."""
         with self._lock:
             hit = self._classified.get(key)
         if hit is None:
             k = np.frombuffer(key, dtype=np.uint8).astype(bool)
             lut = np.zeros(258, dtype=bool)
             lut[:128], lut[256] = k[:128], k[128]
-            inside = lut[self.codes]
-            c = np.argmin(inside, axis=1)  # the last column is always outside
-            pure = self.usable & (self.char_end[np.arange(len(c)), c] == self.length)
-            hit = (c, pure)
+            hit = TokenClasses(self, lut[self.codes])
             with self._lock:
                 if len(self._classified) >= 64:
                     self._classified.pop(next(iter(self._classified)))
                 self._classified[key] = hit
         return hit
+
+
+class TokenClasses:
+    """Every token against one character class.
+
+    c[t]: how many leading characters of token t are in the class; pure[t]: all of it is.
+    The usable tokens that are not pure, sorted by (c, the byte where the class ends): `broken`,
+    with `group_c`, `group_byte` and `group_start` (CSR) describing the runs. `by_c` orders all
+    usable tokens by c (`c_sorted` ascending) to find those with c above a bound.
+    """
+
+    def __init__(self, table: TokenTable, inside: np.ndarray):
+        V = len(table.length)
+        c = np.argmin(inside, axis=1)  # the last column is always outside
+        end = table.char_end[np.arange(V), c]
+        self.c = c
+        self.pure = table.usable & (end == table.length)
+        broken = np.nonzero(table.usable & ~self.pure)[0]
+        brk = table.bytes[broken, np.minimum(end[broken], table.bytes.shape[1] - 1)].astype(np.int64)
+        key = c[broken] * 256 + brk
+        order = np.argsort(key, kind="stable")
+        self.broken, key = broken[order], key[order]
+        starts = np.r_[0, np.nonzero(key[1:] != key[:-1])[0] + 1] if len(key) else np.zeros(0, np.int64)
+        self.group_start = np.r_[starts, len(key)].astype(np.int64)
+        self.group_c = key[starts] // 256
+        self.group_byte = key[starts] % 256
+        usable = np.nonzero(table.usable)[0]
+        o = np.argsort(c[usable], kind="stable")
+        self.by_c = usable[o]
+        self.c_sorted = c[usable][o]
 
 
 @dataclass(frozen=True, eq=False)
