@@ -356,7 +356,7 @@ class GrammarCompiler:
             pass
 
     def _fail_timeout(self, key, fut: Future) -> None:
-        # A thread cannot be killed, and the stuck compile may sit inside interegular where no
+        # A thread cannot be killed, and the stuck compile may sit inside a long numpy step where no
         # deadline check runs; later compiles go to a fresh pool so they do not queue behind it.
         with self._lock:
             old, self._pool = self._pool, ThreadPoolExecutor(max_workers=self._num_workers, thread_name_prefix="grammar-compile")

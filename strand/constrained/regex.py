@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import functools
 import re
-import re._constants as C
-import re._parser as sre_parse
+
+try:  # Python 3.11+
+    import re._constants as C
+    import re._parser as sre_parse
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as C
+    import sre_parse
 
 from strand.constrained.errors import GrammarCompileError
 
