@@ -327,6 +327,45 @@ def _graph_search(stack: list, mark: np.ndarray, adj: list, starts: list) -> Non
                 stack.append(w)
 
 
+_HASH_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
+
+
+def _moore(T: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """The coarsest partition of the states that refines acceptance and is a congruence
+    (Moore refinement). Signatures are compared by a 64-bit hash; the result is checked to be a
+    congruence, which makes the quotient correct whatever the hash did, and a failed check
+    (a collision) redoes the refinement comparing signatures exactly."""
+    safe, dead = np.maximum(T, 0), T < 0
+    K = T.shape[1]
+    live_cols = np.concatenate([acc[:, None], ~dead], axis=1)
+    _, cls = _unique_rows(np.packbits(live_cols, axis=1))
+    for exact in (False, True):
+        n_cls = int(cls.max()) + 1
+        while True:
+            nxt = cls[safe]
+            nxt[dead] = -1
+            if exact:
+                _, new_cls = _unique_rows(np.concatenate([cls[:, None], nxt], axis=1))
+            elif K + 1 <= len(_HASH_WEIGHTS):
+                h = nxt.astype(np.uint64) @ _HASH_WEIGHTS[1 : K + 1] + cls.astype(np.uint64) * _HASH_WEIGHTS[0]
+                _, new_cls = np.unique(h, return_inverse=True)
+            else:
+                break
+            new_cls = new_cls.reshape(-1)
+            n_new = int(new_cls.max()) + 1
+            cls = new_cls
+            if n_new == n_cls:
+                break
+            n_cls = n_new
+        _, first = np.unique(cls, return_index=True)
+        rep = first[cls]
+        nxt = cls[safe]
+        nxt[dead] = -1
+        if (nxt == nxt[rep]).all() and (acc == acc[rep]).all():
+            return cls
+    raise AssertionError("Moore refinement did not reach a congruence")
+
+
 def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0,
                        reachable_known: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Drop states that are unreachable or cannot reach an accepting state; merge equivalent
@@ -355,26 +394,8 @@ def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0,
     remap[ids] = np.arange(len(ids), dtype=np.int32)
     T2 = remap[np.where(T[ids] >= 0, T[ids], S)]
     acc2 = acc[ids]
-    live_cols = np.concatenate([acc2[:, None], T2 >= 0], axis=1)
-    _, cls = _unique_rows(np.packbits(live_cols, axis=1))
-    cls = cls.astype(np.int32)
+    cls = _moore(T2, acc2)
     n_cls = int(cls.max()) + 1
-    rounds = 0
-    safe = np.maximum(T2, 0)
-    dead = T2 < 0
-    while True:
-        nxt_cls = cls[safe]
-        nxt_cls[dead] = -1
-        sig = np.concatenate([cls[:, None], nxt_cls], axis=1)
-        _, new_cls = _unique_rows(sig)
-        new_cls = new_cls.astype(np.int32)
-        n_new = int(new_cls.max()) + 1
-        cls = new_cls
-        rounds += 1
-        if n_new == n_cls:
-            break
-        n_cls = n_new
-    _stats["rounds"] = rounds
     if n_cls == len(cls):
         return np.ascontiguousarray(T2), acc2
     _, first = np.unique(cls, return_index=True)

@@ -81,9 +81,14 @@ def _trie_walk(T: np.ndarray, info: TokenizerInfo, origins: np.ndarray, deadline
     return origin, tok, nxt
 
 
-def _pack(origin: np.ndarray, tok: np.ndarray, S: int, W: int) -> np.ndarray:
+def _pack(origin: np.ndarray, tok: np.ndarray, S: int, W: int, out: np.ndarray | None = None) -> np.ndarray:
+    """OR the distinct (state, token) pairs into a packed uint32 [S, W] mask (into `out`)."""
     flat = np.bincount(origin * W + (tok >> 5), weights=(1 << (tok & 31)).astype(np.float64), minlength=S * W)
-    return flat.astype(np.uint64).astype(np.uint32).reshape(S, W)
+    packed = flat.astype(np.uint64).astype(np.uint32).reshape(S, W)
+    if out is None:
+        return packed
+    out |= packed
+    return out
 
 
 def _add_eos(mask: np.ndarray, acc: np.ndarray, info: TokenizerInfo) -> np.ndarray:
@@ -241,7 +246,11 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
         g = g[T[chain_arr[cls.group_c[g]], cls.group_byte[g]] >= 0]
         walked = [cls.broken[_ranges(cls.group_start[g], cls.group_start[g + 1])]]
         # ... and tokens with more class characters than the chain takes: walk the rest.
-        walked.append(cls.by_c[np.searchsorted(cls.c_sorted, d, side="right"):])
+        over = cls.by_c[np.searchsorted(cls.c_sorted, d, side="right"):]
+        if len(over):  # (only those the end of the chain lets through)
+            at = tt.char_end[over, d]
+            over = over[T[chain[-1], tt.bytes[over, np.minimum(at, tt.bytes.shape[1] - 1)]] >= 0]
+        walked.append(over)
         rest = np.concatenate(walked)
         if len(rest) > _MAX_CHAIN_WALK:  # most tokens get past the chain: the trie does better
             key_id[q] = -1
@@ -267,7 +276,7 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
         parts_t.append(t_all[ok])
         parts_n.append(st[ok])
     origin, tok = np.concatenate(parts_o), np.concatenate(parts_t)
-    mask |= _pack(origin, tok.astype(np.int64), S, W)
+    _pack(origin, tok.astype(np.int64), S, W, out=mask)
     # A state with no token that is not accepting would need the exact, iterative pruning.
     has_tok = mask.any(1)
     if (~has_tok & ~acc).any():
