@@ -19,8 +19,7 @@ import numpy as np
 from strand.constrained.errors import GrammarCompileError
 
 DEAD = -1
-MAX_DFA_STATES = 200_000
-_stats = {}
+MAX_DFA_STATES = 20_000  # a mask row is vocab/8 bytes: 20k states of a 50k vocabulary is 120 MB
 
 
 def check_deadline(deadline: float | None, what: str = "compile") -> None:
@@ -330,7 +329,7 @@ def _graph_search(stack: list, mark: np.ndarray, adj: list, starts: list) -> Non
 _HASH_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
 
 
-def _moore(T: np.ndarray, acc: np.ndarray) -> np.ndarray:
+def _moore(T: np.ndarray, acc: np.ndarray, deadline: float | None = None) -> np.ndarray:
     """The coarsest partition of the states that refines acceptance and is a congruence
     (Moore refinement). Signatures are compared by a 64-bit hash; the result is checked to be a
     congruence, which makes the quotient correct whatever the hash did, and a failed check
@@ -342,6 +341,7 @@ def _moore(T: np.ndarray, acc: np.ndarray) -> np.ndarray:
     for exact in (False, True):
         n_cls = int(cls.max()) + 1
         while True:
+            check_deadline(deadline)
             nxt = cls[safe]
             nxt[dead] = -1
             if exact:
@@ -366,8 +366,8 @@ def _moore(T: np.ndarray, acc: np.ndarray) -> np.ndarray:
     raise AssertionError("Moore refinement did not reach a congruence")
 
 
-def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0,
-                       reachable_known: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0, reachable_known: bool = False,
+                       deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Drop states that are unreachable or cannot reach an accepting state; merge equivalent
     states (Moore refinement, vectorized). Works on any column alphabet (bytes or classes).
     Returns (T, acc) with the initial state renumbered 0; raises if the language is empty."""
@@ -394,7 +394,7 @@ def prune_and_minimize(T: np.ndarray, acc: np.ndarray, init: int = 0,
     remap[ids] = np.arange(len(ids), dtype=np.int32)
     T2 = remap[np.where(T[ids] >= 0, T[ids], S)]
     acc2 = acc[ids]
-    cls = _moore(T2, acc2)
+    cls = _moore(T2, acc2, deadline)
     n_cls = int(cls.max()) + 1
     if n_cls == len(cls):
         return np.ascontiguousarray(T2), acc2
@@ -445,7 +445,7 @@ def compile_node(node, deadline: float | None = None) -> Dfa:
     check_deadline(deadline)
     T, acc, classes = _determinize(nfa, start, final, deadline)
     check_deadline(deadline)
-    T, acc = prune_and_minimize(T, acc, reachable_known=True)
+    T, acc = prune_and_minimize(T, acc, reachable_known=True, deadline=deadline)
     T, classes = _compress(T, classes)
     return Dfa(T, classes, acc)
 
@@ -482,7 +482,7 @@ def intersect(a: Dfa, b: Dfa, deadline: float | None = None) -> Dfa:
     acc = np.array([bool(a.accepting[x] and b.accepting[y]) for x, y in order], dtype=bool)
     if not acc.any():
         raise GrammarCompileError("the grammar accepts no string")
-    T, acc = prune_and_minimize(T, acc, reachable_known=True)
+    T, acc = prune_and_minimize(T, acc, reachable_known=True, deadline=deadline)
     T, classes = _compress(T, joint.reshape(-1))
     return Dfa(T, classes, acc)
 
