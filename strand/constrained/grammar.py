@@ -74,6 +74,7 @@ def _build(kind: str, spec: str, info: TokenizerInfo, source, deadline: float | 
     for a in (T, acc, forced):
         a.setflags(write=False)
     table = torch.from_numpy(mask_u32.view(np.int32))  # shares memory with mask_u32
+    torch.empty_like(table[0]).copy_(table[0])  # the start state's row, ready for the first mask
     g = CompiledGrammar(kind, spec, info, T, acc, table, forced, time.perf_counter() - t0)
     g.__dict__["_mask_u32"] = mask_u32
     return g
