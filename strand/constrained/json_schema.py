@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import re
+from urllib.parse import unquote, urldefrag, urljoin
 
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.fsm import check_deadline, literal_char, regex_to_char_fsm
@@ -267,9 +268,13 @@ class JsonSchemaConverter:
         self.lbrace, self.rbrace = r"\{" + w, w + r"\}"
         self.lbracket, self.rbracket = r"\[" + w, w + r"\]"
         self.root: dict = {}
+        self._validator = None
+        self.index_ids(self.root)
 
     def convert(self, schema):
         self.root = schema if isinstance(schema, dict) else {}
+        self._validator = None
+        self.index_ids(self.root)
         out = self.node(schema, (), self.max_depth)
         if out is NEVER:
             raise GrammarCompileError("json: the schema accepts no value this compiler can generate "
@@ -300,19 +305,24 @@ class JsonSchemaConverter:
             return self.alternatives(schema, refs, depth)
         if "enum" in schema or "const" in schema:
             return self.literals(schema)
-        types = schema.get("type")
+        types = self.implied_types(schema)
         if types is None:
-            present = [t for t in ALL_TYPES if TYPE_KEYWORDS.get(t, set()) & schema.keys()]
-            if "integer" in present and "number" in present:
-                present.remove("integer")
-            if not present:
-                return self.any_value(depth)
-            types = present
-        if isinstance(types, str):
-            types = [types]
+            return self.any_value(depth)
         if "number" in types and "integer" in types:
             types = [t for t in types if t != "integer"]
         return alt(*[self.typed(t, schema, refs, depth) for t in types])
+
+    @staticmethod
+    def implied_types(s: dict) -> list | None:
+        """The types a schema's instances are generated as: its `type`, else the types its
+        keywords constrain (a subset: {"minLength": 1} generates strings only); None for any."""
+        types = s.get("type")
+        if types is None:
+            present = [t for t in ALL_TYPES if TYPE_KEYWORDS.get(t, set()) & s.keys()]
+            if "integer" in present and "number" in present:
+                present.remove("integer")
+            return present or None
+        return [types] if isinstance(types, str) else list(types)
 
     def typed(self, t: str, s: dict, refs: tuple, depth: int):
         if t == "string":
@@ -333,11 +343,59 @@ class JsonSchemaConverter:
 
     # -- references and combinators --
 
+    def index_ids(self, root) -> None:
+        """Where `$id`/`id` and `$anchor` put schemas, for references by URI or by anchor name;
+        and which $ref strings occur inside a sub-resource with its own base URI (those would
+        resolve against that base, which is not tracked, so they are refused)."""
+        self.ids, self.anchors, self.nested_refs = {}, {}, set()
+        own = root.get("$id", root.get("id")) if isinstance(root, dict) else None
+        self.base = urldefrag(own)[0] if isinstance(own, str) else ""
+
+        def walk(x, base, nested):
+            if isinstance(x, list):
+                for v in x:
+                    walk(v, base, nested)
+                return
+            if not isinstance(x, dict):
+                return
+            own = x.get("$id", x.get("id"))
+            if isinstance(own, str):
+                uri, frag = urldefrag(urljoin(base, own))
+                if uri and x is not root:
+                    nested, base = nested or uri != self.base, uri
+                    self.ids.setdefault(uri, x)
+                if frag and not frag.startswith("/"):
+                    self.anchors[frag] = x if frag not in self.anchors else None  # None: ambiguous
+            if isinstance(x.get("$anchor"), str):
+                a = x["$anchor"]
+                self.anchors[a] = x if a not in self.anchors else None
+            if nested and isinstance(x.get("$ref"), str):
+                self.nested_refs.add(x["$ref"])
+            for k, v in x.items():
+                if k not in ("enum", "const", "default", "examples"):
+                    walk(v, base, nested)
+
+        if self.base:
+            self.ids[self.base] = root
+        walk(root, self.base, False)
+
     def resolve(self, ref: str):
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise GrammarCompileError(f"json: $ref {ref!r} is not supported (only local '#/...' references)")
+        if not isinstance(ref, str):
+            raise GrammarCompileError(f"json: $ref {ref!r} is not a string")
+        if ref in self.nested_refs:
+            raise GrammarCompileError(f"json: $ref {ref!r} inside a sub-schema with its own '$id' is not supported")
+        uri, frag = urldefrag(ref)
         target = self.root
-        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        if uri:
+            target = self.ids.get(urldefrag(urljoin(self.base, uri))[0])
+            if target is None:
+                raise GrammarCompileError(f"json: $ref {ref!r} is not supported (only references within this document)")
+        frag = unquote(frag)
+        if frag and not frag.startswith("/"):
+            if self.anchors.get(frag) is None:
+                raise GrammarCompileError(f"json: $ref {ref!r}: anchor {frag!r} is not defined (or defined twice)")
+            return self.anchors[frag]
+        for part in frag.split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(target, list) and part.isdigit() and int(part) < len(target):
                 target = target[int(part)]
@@ -378,54 +436,212 @@ class JsonSchemaConverter:
         for b in schema[key]:
             if rest:
                 b = self.merge(dict(rest), self.deref(b, refs))
-            branches.append(b)
+            branches.append((b, refs))
         if key == "oneOf" and len(branches) > 1:
-            self.check_disjoint([self.deref(b, refs) for b in branches])
-        return alt(*[self.node(b, refs, depth) for b in branches])
+            branches = self.exclusive([b for b, _ in branches], refs)
+        return alt(*[self.node(b, r, depth) for b, r in branches])
 
-    def check_disjoint(self, branches: list) -> None:
-        """oneOf is enforced only when no instance can satisfy two branches: the branches' JSON
-        types are disjoint, their enum/const literals are, or they are objects told apart by a
-        required property with disjoint const/enum values."""
-        type_sets = [self.possible_types(b) for b in branches]
-        if all(not (type_sets[i] & type_sets[j]) for i in range(len(branches)) for j in range(i)):
-            return
-        lits = [self.literal_set(b) for b in branches]
-        if all(ls is not None for ls in lits):
-            keys = [{json.dumps(v, sort_keys=True) for v in ls} for ls in lits]
-            if all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i)):
-                return
-        if all(isinstance(b, dict) and type_sets[i] <= {"object"} for i, b in enumerate(branches)):
-            common = set.intersection(*[set(b.get("required", [])) for b in branches])
-            for prop in common:
-                vals = [self.literal_set(self.deref(b.get("properties", {}).get(prop, {}), ())) for b in branches]
-                if all(v is not None for v in vals):
-                    keys = [{json.dumps(x, sort_keys=True) for x in v} for v in vals]
-                    if all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i)):
-                        return
-        raise GrammarCompileError("json: 'oneOf' with branches that may overlap is not supported (use anyOf)")
+    # -- oneOf: each branch generates only values that no other branch accepts --
 
-    def possible_types(self, s) -> set:
-        if not isinstance(s, dict):
-            return set(ALL_TYPES) if s is not False else set()
-        if "const" in s or "enum" in s:
-            vals = [s["const"]] if "const" in s else list(s["enum"])
-            return {_type_of(v) for v in vals}
-        t = s.get("type")
-        if t is None:
+    def exclusive(self, branches: list, refs: tuple) -> list:
+        """(schema, refs) per oneOf branch, each narrowed where needed so that nothing it generates
+        is valid under another branch; refuses when that cannot be shown. Narrowing keeps a
+        subset of the branch: literals another branch accepts are dropped, an optional property
+        another branch requires is forbidden, or one whose value no other branch accepts is
+        required."""
+        flats = [self.flat(b) for b in branches]
+        out = []
+        for i, b in enumerate(branches):
+            cur = flats[i]
+            narrowed = False
+            for j, other in enumerate(branches):
+                if j == i:
+                    continue
+                for _ in range(4):
+                    if self.excludes(cur, other):
+                        break
+                    cur = self.narrow(cur, flats[j])
+                    narrowed = True
+                    if cur is None:
+                        break
+                if cur is None or not self.excludes(cur, other):
+                    raise GrammarCompileError(f"json: 'oneOf' with branches that may overlap (branch {i} vs {j}) "
+                                              "is not supported (use anyOf)")
+            if narrowed:  # the branch's own $ref counts towards the unroll limit as before
+                own = (b["$ref"],) if isinstance(b, dict) and isinstance(b.get("$ref"), str) else ()
+                out.append((cur, refs + own))
+            else:
+                out.append((b, refs))
+        return out
+
+    def flat(self, s, hops: int = 0):
+        """s with its top-level $ref and allOf merged in; None when they cannot be merged."""
+        try:
+            s = self.deref(s, ())
+            while isinstance(s, dict) and "allOf" in s and hops < 8:
+                merged = {k: v for k, v in s.items() if k != "allOf"}
+                for b in s["allOf"]:
+                    merged = self.merge(merged, self.deref(b, ()))
+                s = self.deref(merged, ())
+                hops += 1
+        except (GrammarCompileError, RecursionError):
+            return None
+        return None if isinstance(s, dict) and "allOf" in s else s
+
+    def excludes(self, a, b, hops: int = 0) -> bool:
+        """True when no value generated for schema `a` is valid under schema `b` (sound, not
+        complete: False means 'not shown')."""
+        if hops > 6:
+            return False
+        check_deadline(self.deadline)
+        fa, fb = self.flat(a), self.flat(b)
+        if fa is False or fb is False:
+            return True
+        if fa is None or fb is None or fb is True or fb == {}:
+            return False
+        if fa is True:
+            fa = {}
+        shared = self.out_types(fa) & self.lang_types(fb)
+        if not shared:
+            return True
+        lits = self.literal_values(fa)
+        if lits is not None:
+            return not any(self.valid_under(x, b) for x in lits)
+        for key in ("anyOf", "oneOf"):
+            if key in fa:  # a generates from its branches (with its other keywords merged in)
+                subs = self.branch_schemas(fa, key)
+                return subs is not None and all(self.excludes(x, b, hops + 1) for x in subs)
+            if key in fb:  # an instance of b is an instance of one of its branches
+                subs = self.branch_schemas(fb, key)
+                return subs is not None and all(self.excludes(fa, x, hops + 1) for x in subs)
+        if shared <= {"integer", "number"} and self.ranges_disjoint(fa, fb):
+            return True
+        if shared == {"object"}:
+            return self.objects_exclude(fa, fb, hops)
+        return False
+
+    def objects_exclude(self, a: dict, b: dict, hops: int) -> bool:
+        """Objects generated for `a` (declared and required properties only) fail `b`: b requires a
+        property a never generates, b is closed and a always generates one it does not declare,
+        or a always generates one whose value b's schema for it rejects."""
+        props_a = a.get("properties") or {}
+        req_a = set(a.get("required") or [])
+        addl_a = a.get("additionalProperties", True)
+        free = not props_a and not req_a and addl_a is not False
+        deps = {"dependencies", "dependentRequired", "dependentSchemas"} & a.keys()
+        keys_a = None if free or deps else {k for k, v in props_a.items() if v is not False} | req_a
+        props_b = b.get("properties") or {}
+        if keys_a is not None and set(b.get("required") or []) - keys_a:
+            return True
+        if b.get("additionalProperties", True) is False and not b.get("patternProperties") and req_a - set(props_b):
+            return True
+        for k in req_a & set(props_b):
+            sa = props_a.get(k, addl_a if isinstance(addl_a, dict) else {})
+            if self.excludes(sa, props_b[k], hops + 1):
+                return True
+        return False
+
+    def narrow(self, a, b):
+        """A subset of schema `a` that overlaps less with schema `b`, or None (see exclusive)."""
+        if not isinstance(a, dict):
+            return None
+        lits = self.literal_values(a)
+        if lits is not None:
+            keep = [x for x in lits if not self.valid_under(x, b)]
+            return {**{k: v for k, v in a.items() if k not in ("const", "enum")}, "enum": keep}
+        if not isinstance(b, dict) or "anyOf" in a or "oneOf" in a or "object" not in self.out_types(a):
+            return None
+        props = a.get("properties") or {}
+        req = list(a.get("required") or [])
+        optional = [k for k, v in props.items() if k not in req and v is not False]
+        props_b = b.get("properties") or {}
+        closed_b = b.get("additionalProperties", True) is False and not b.get("patternProperties")
+        for k in optional:  # require a property whose value b cannot accept
+            if (closed_b and k not in props_b) or (k in props_b and self.excludes(props[k], props_b[k])):
+                return {**a, "required": req + [k]}
+        for k in b.get("required") or []:  # forbid an optional property b requires
+            if k in optional:
+                return {**a, "properties": {**props, k: False}}
+        return None
+
+    def branch_schemas(self, s: dict, key: str):
+        rest = {k: v for k, v in s.items() if k != key and k not in ANNOTATIONS}
+        try:
+            return [self.merge(dict(rest), self.deref(x, ())) if rest else x for x in s[key]]
+        except GrammarCompileError:
+            return None
+
+    def out_types(self, s) -> set:
+        """The JSON types node() can generate for a flat schema (number includes integer)."""
+        if s is True or s == {}:
             return set(ALL_TYPES)
-        ts = {t} if isinstance(t, str) else set(t)
-        if "number" in ts:
-            ts.add("integer")
+        if not isinstance(s, dict):
+            return set()
+        lits = self.literal_values(s)
+        if lits is not None and not ({"anyOf", "oneOf"} & s.keys()):
+            return set().union(*[_literal_types(v) for v in lits])
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                subs = self.branch_schemas(s, key)
+                if subs is None:
+                    return set(ALL_TYPES)
+                return set().union(*[self.out_types(self.flat(x)) if self.flat(x) is not None else set(ALL_TYPES)
+                                     for x in subs])
+        types = self.implied_types(s)
+        return _widen(set(types) if types is not None else set(ALL_TYPES))
+
+    def lang_types(self, s) -> set:
+        """The JSON types of the instances valid under a flat schema, over-approximated."""
+        if s is False:
+            return set()
+        if not isinstance(s, dict):
+            return set(ALL_TYPES)
+        ts = set(ALL_TYPES)
+        if "type" in s:
+            ts &= _widen({s["type"]} if isinstance(s["type"], str) else set(s["type"]))
+        lits = self.literal_values(s)
+        if lits is not None:
+            ts &= set().union(*[_literal_types(v) for v in lits])
+        for key in ("anyOf", "oneOf"):
+            if key in s and isinstance(s[key], list):
+                u = set()
+                for x in s[key]:
+                    fx = self.flat(x)
+                    u |= self.lang_types(fx) if fx is not None else set(ALL_TYPES)
+                ts &= u
         return ts
 
-    def literal_set(self, s):
+    @staticmethod
+    def literal_values(s):
         if isinstance(s, dict):
             if "const" in s:
                 return [s["const"]]
-            if "enum" in s:
+            if "enum" in s and isinstance(s["enum"], list):
                 return list(s["enum"])
         return None
+
+    def valid_under(self, x, schema) -> bool:
+        """jsonschema's verdict for instance x under a subschema of the root (True when unsure)."""
+        from jsonschema.validators import validator_for
+
+        try:
+            if self._validator is None:
+                self._validator = validator_for(self.root)(self.root)
+            return self._validator.evolve(schema=schema).is_valid(x)
+        except Exception:
+            return True
+
+    def ranges_disjoint(self, a: dict, b: dict) -> bool:
+        try:
+            lo_a, lo_ax, hi_a, hi_ax = self.bounds(a)
+            lo_b, lo_bx, hi_b, hi_bx = self.bounds(b)
+        except GrammarCompileError:
+            return False
+
+        def below(hi, hi_x, lo, lo_x):
+            return hi is not None and lo is not None and (hi < lo or (hi == lo and (hi_x or lo_x)))
+
+        return below(hi_a, hi_ax, lo_b, lo_bx) or below(hi_b, hi_bx, lo_a, lo_ax)
 
     def merge(self, a, b):
         """Conjunction of two schemas as one schema, for allOf / siblings; refuses what it
@@ -443,7 +659,7 @@ class JsonSchemaConverter:
             if k in ANNOTATIONS:
                 out.setdefault(k, v)
                 continue
-            if k not in out or out[k] == v:
+            if k not in out or _same(out[k], v):
                 out[k] = v
             elif k == "properties":
                 props = dict(out[k])
@@ -464,7 +680,7 @@ class JsonSchemaConverter:
             elif k in ("maximum", "maxLength", "maxItems", "maxProperties"):
                 out[k] = min(out[k], v)
             elif k == "enum":
-                out[k] = [x for x in out[k] if x in v]
+                out[k] = [x for x in out[k] if any(_same(x, y) for y in v)]
             elif k in ("allOf",):
                 out[k] = list(out[k]) + list(v)
             elif k == "items" and isinstance(v, dict) and isinstance(out[k], dict):
@@ -475,13 +691,15 @@ class JsonSchemaConverter:
                 out["allOf"] = list(out.get("allOf", [])) + [{k: v}]
             else:
                 raise GrammarCompileError(f"json: cannot merge keyword {k!r} across 'allOf' branches")
-        # additionalProperties: false in one branch forbids the other branch's properties
+        # one branch's additionalProperties governs the properties only the other declares
         for x, y in ((a, b), (b, a)):
-            if isinstance(x, dict) and x.get("additionalProperties") is False and isinstance(y, dict):
-                extra = set(y.get("properties", {})) - set(x.get("properties", {}))
-                if extra:
-                    raise GrammarCompileError("json: 'allOf' branches where one has additionalProperties false "
-                                              f"and the other adds properties {sorted(extra)} are not supported")
+            extra = [n for n in y.get("properties", {}) if n not in x.get("properties", {})]
+            addl = x.get("additionalProperties", True)
+            if extra and addl is False:
+                raise GrammarCompileError("json: 'allOf' branches where one has additionalProperties false "
+                                          f"and the other adds properties {sorted(extra)} are not supported")
+            if extra and isinstance(addl, dict) and addl:
+                out["properties"] = {**out["properties"], **{n: self.merge(out["properties"][n], addl) for n in extra}}
         return out
 
     # -- literals --
@@ -489,7 +707,7 @@ class JsonSchemaConverter:
     def literals(self, s: dict):
         vals = [s["const"]] if "const" in s else list(s["enum"])
         if "const" in s and "enum" in s:
-            vals = [v for v in vals if v in s["enum"]]
+            vals = [v for v in vals if any(_same(v, y) for y in s["enum"])]
         rest = {k: v for k, v in s.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
         if rest:
             from jsonschema.validators import validator_for
@@ -780,6 +998,31 @@ def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, de
     obj = FSM.concatenate(P(lbrace), opt(FSM.concatenate(pair, FSM.concatenate(P(comma), pair).star())), P(rbrace))
     arr = FSM.concatenate(P(lbracket), opt(FSM.concatenate(inner, FSM.concatenate(P(comma), inner).star())), P(rbracket))
     return FSM.union(P(scalars), obj, arr).reduce()
+
+
+def _same(a, b) -> bool:
+    """JSON equality as validators see it: 1 == 1.0, but true != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _widen(types: set) -> set:
+    """Every number type set includes integer (an integer is a number)."""
+    return types | {"integer"} if "number" in types else types
+
+
+def _literal_types(v) -> set:
+    """The JSON types of a literal; a number counts as both (1.0 is an integer from draft 6 on)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return {"integer", "number"}
+    return {_type_of(v)}
 
 
 def _type_of(v) -> str:
