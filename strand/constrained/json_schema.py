@@ -58,14 +58,17 @@ ANNOTATIONS = {
     "$defs", "definitions", "$vocabulary", "$dynamicAnchor", "$recursiveAnchor",
 }
 # Vocabulary keywords never enforced here (others have conditions, checked where they apply).
-REFUSED = {"not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
-           "$dynamicRef", "$recursiveRef"}
+REFUSED = {"not", "if", "then", "else", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef"}
+DEPENDENCY_KEYWORDS = {"dependencies", "dependentRequired", "dependentSchemas"}
+# Keywords whose subschemas decide which properties an instance may have.
+COMBINATORS = {"$ref", "allOf", "anyOf", "oneOf"}
 TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties", "propertyNames", "dependencies", "dependentRequired", "unevaluatedProperties"},
+               "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
+               "unevaluatedProperties"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "unevaluatedItems"},
 }
 # Bounded repetitions above these are tightened (sound: fewer outputs, all valid); the DFA has a
@@ -301,6 +304,8 @@ class JsonSchemaConverter:
             for branch in schema["allOf"]:
                 merged = self.merge(merged, self.deref(branch, refs))
             return self.node(merged, refs, depth)
+        if DEPENDENCY_KEYWORDS & schema.keys():
+            return self.node(self.fold_dependencies(schema), refs, depth)
         if "anyOf" in schema or "oneOf" in schema:
             return self.alternatives(schema, refs, depth)
         if "enum" in schema or "const" in schema:
@@ -527,8 +532,8 @@ class JsonSchemaConverter:
         props_a = a.get("properties") or {}
         req_a = set(a.get("required") or [])
         addl_a = a.get("additionalProperties", True)
-        free = not props_a and not req_a and addl_a is not False
-        deps = {"dependencies", "dependentRequired", "dependentSchemas"} & a.keys()
+        free = not props_a and not req_a and (addl_a is not False or a.get("patternProperties"))
+        deps = DEPENDENCY_KEYWORDS & a.keys()
         keys_a = None if free or deps else {k for k, v in props_a.items() if v is not False} | req_a
         props_b = b.get("properties") or {}
         if keys_a is not None and set(b.get("required") or []) - keys_a:
@@ -620,8 +625,9 @@ class JsonSchemaConverter:
                 return list(s["enum"])
         return None
 
-    def valid_under(self, x, schema) -> bool:
-        """jsonschema's verdict for instance x under a subschema of the root (True when unsure)."""
+    def valid_under(self, x, schema, unsure: bool = True) -> bool:
+        """jsonschema's verdict for instance x under a subschema of the root (`unsure` when it
+        cannot tell, e.g. an unresolvable $ref)."""
         from jsonschema.validators import validator_for
 
         try:
@@ -629,7 +635,7 @@ class JsonSchemaConverter:
                 self._validator = validator_for(self.root)(self.root)
             return self._validator.evolve(schema=schema).is_valid(x)
         except Exception:
-            return True
+            return unsure
 
     def ranges_disjoint(self, a: dict, b: dict) -> bool:
         try:
@@ -842,36 +848,11 @@ class JsonSchemaConverter:
                 if addl is False:
                     return NEVER
                 props[name] = addl if isinstance(addl, dict) else {}
-        # dependencies: enforced when they cannot bite (or by making them required)
-        deps = dict(s.get("dependentRequired", {}) or {})
-        for k, v in (s.get("dependencies", {}) or {}).items():
-            if not isinstance(v, list):
-                raise GrammarCompileError("json: keyword 'dependencies' with a schema value is not supported")
-            deps[k] = v
-        for k, needed in deps.items():
-            if k in required:
-                required += [n for n in needed if n not in required]
-                for n in needed:
-                    props.setdefault(n, addl if isinstance(addl, dict) else {})
-            elif k in props and not all(n in required for n in needed):
-                raise GrammarCompileError("json: keyword 'dependentRequired'/'dependencies' on an optional property is not supported")
         min_p, max_p = s.get("minProperties", 0), s.get("maxProperties")
         pattern_props = s.get("patternProperties", {}) or {}
         names = s.get("propertyNames")
-        if not props and addl is not False:
-            # free-form object: any keys
-            if pattern_props:
-                raise GrammarCompileError("json: keyword 'patternProperties' on an object without declared properties is not supported")
-            if names not in (None, True, {}):
-                raise GrammarCompileError("json: keyword 'propertyNames' on an object without declared properties is not supported")
-            if min_p:
-                raise GrammarCompileError("json: keyword 'minProperties' on a free-form object is not supported")
-            val = self.node(addl, refs, depth - 1) if isinstance(addl, dict) and addl else self.any_value(depth - 1)
-            if max_p == 0 or val is NEVER:
-                return self.lbrace + self.rbrace
-            pair = STRING + self.colon + val if isinstance(val, str) else seq(STRING, self.colon, val)
-            more = rep(seq(self.comma, pair), 0, None if max_p is None else max_p - 1)
-            return seq(self.lbrace, opt(seq(pair, more)), self.rbrace)
+        if not props and (addl is not False or pattern_props):
+            return self.free_object(s, addl, refs, depth)
         for pat in pattern_props:
             try:
                 hit = [n for n in props if re.search(pat, n)]
@@ -880,16 +861,11 @@ class JsonSchemaConverter:
             if hit:
                 raise GrammarCompileError(f"json: keyword 'patternProperties' matching declared property {hit[0]!r} is not supported")
         if names not in (None, True, {}):
-            from jsonschema.validators import validator_for
-
-            v = validator_for(self.root)(names)
-            bad = [n for n in props if not v.is_valid(n)]
-            if bad:
-                required = [r for r in required if r not in bad]
-                if any(n in s.get("required", []) for n in bad):
-                    return NEVER
-                for n in bad:
-                    props.pop(n)
+            bad = [n for n in props if not self.valid_under(n, names, unsure=False)]
+            if any(n in required for n in bad):
+                return NEVER
+            for n in bad:
+                props.pop(n)
         items = []
         for name, sub in props.items():
             val = self.node(sub, refs, depth - 1 if sub in (True, {}) else depth)
@@ -898,17 +874,82 @@ class JsonSchemaConverter:
                 if req:
                     return NEVER
                 continue
-            items.append((seq(json_literal(name), self.colon, val), req))
+            items.append([seq(json_literal(name), self.colon, val), req])
+        # min/maxProperties: generate a fixed subset of the counts (declared order decides which
+        # optional properties become required, or are left out)
         n_req = sum(r for _, r in items)
-        if n_req < min_p:
-            if len(items) < min_p:
-                return NEVER
-            raise GrammarCompileError("json: keyword 'minProperties' above the number of required properties is not supported")
+        if len(items) < min_p or (max_p is not None and n_req > max_p):
+            return NEVER
+        for it in items:
+            if n_req >= min_p:
+                break
+            if not it[1]:
+                it[1], n_req = True, n_req + 1
         if max_p is not None and len(items) > max_p:
-            if n_req > max_p:
-                return NEVER
-            raise GrammarCompileError("json: keyword 'maxProperties' below the number of declared properties is not supported")
-        return seq(self.lbrace, self.members(items), self.rbrace)
+            room = max_p - n_req
+            keep = []
+            for it in items:
+                if it[1] or room > 0:
+                    room -= not it[1]
+                    keep.append(it)
+            items = keep
+        return seq(self.lbrace, self.members([tuple(it) for it in items]), self.rbrace)
+
+    def free_object(self, s: dict, addl, refs: tuple, depth: int):
+        """An object without declared properties: keys from patternProperties (values under every
+        pattern's schema, since a key may match several) or else any key allowed by propertyNames,
+        with additionalProperties' values."""
+        min_p, max_p = s.get("minProperties", 0), s.get("maxProperties")
+        if min_p > 1:  # two generated keys may be equal, and a repeated key counts once
+            raise GrammarCompileError(f"json: keyword 'minProperties' ({min_p}) on an object without declared properties "
+                                      "is not supported")
+        names = s.get("propertyNames")
+        names = {} if names in (None, True) else names
+        key_schema = self.merge({"type": "string"}, names)
+        pattern_props = s.get("patternProperties", {}) or {}
+        if pattern_props:
+            key = alt(*[self.node(self.merge(key_schema, {"pattern": p}), refs, depth) for p in pattern_props])
+            value_schema = True
+            for sub in pattern_props.values():
+                value_schema = self.merge(value_schema, self.deref(sub, refs))
+        else:
+            key = self.node(key_schema, refs, depth)
+            value_schema = addl if isinstance(addl, dict) and addl else True
+        val = NEVER if value_schema is False else (
+            self.any_value(depth - 1) if value_schema in (True, {}) else self.node(value_schema, refs, depth - 1))
+        pair = seq(key, self.colon, val)
+        if max_p == 0 or pair is NEVER:
+            return NEVER if min_p else self.lbrace + self.rbrace
+        more = seq(pair, rep(seq(self.comma, pair), 0, None if max_p is None else max_p - 1))
+        return seq(self.lbrace, more if min_p else opt(more), self.rbrace)
+
+    def fold_dependencies(self, s: dict):
+        """dependencies / dependentRequired / dependentSchemas, enforced by requiring each one
+        whose property may be generated of every instance (a subset: if the property is present
+        the dependency holds); those whose property is never generated drop out."""
+        pending: dict = {}
+        for key in DEPENDENCY_KEYWORDS:
+            deps = s.get(key) or {}
+            if not isinstance(deps, dict):
+                raise GrammarCompileError(f"json: keyword {key!r} must be an object")
+            for k, v in deps.items():
+                pending.setdefault(k, []).append({"required": v} if isinstance(v, list) else v)
+        out = {k: v for k, v in s.items() if k not in DEPENDENCY_KEYWORDS}
+        for _ in range(16):
+            if out is False:
+                return False
+            props = out.get("properties") or {}
+            req = out.get("required") or []
+            opaque = bool(COMBINATORS & out.keys()) or (not props and not req)  # keys not known here
+            fire = [k for k in pending if opaque or k in req or props.get(k, False) is not False]
+            if not fire:
+                return out
+            for k in fire:
+                for dep in pending.pop(k):
+                    out = self.merge(out, dep)
+            if isinstance(out, dict) and DEPENDENCY_KEYWORDS & out.keys():
+                return self.fold_dependencies(out)  # a dependency schema brought its own
+        raise GrammarCompileError("json: keyword 'dependencies' chains too long")
 
     def members(self, items: list):
         if not items:
