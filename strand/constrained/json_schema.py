@@ -58,7 +58,7 @@ ANNOTATIONS = {
     "$defs", "definitions", "$vocabulary", "$dynamicAnchor", "$recursiveAnchor",
 }
 # Vocabulary keywords never enforced here (others have conditions, checked where they apply).
-REFUSED = {"not", "if", "then", "else", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef"}
+REFUSED = {"contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef"}
 DEPENDENCY_KEYWORDS = {"dependencies", "dependentRequired", "dependentSchemas"}
 # Keywords whose subschemas decide which properties an instance may have.
 COMBINATORS = {"$ref", "allOf", "anyOf", "oneOf"}
@@ -295,7 +295,7 @@ class JsonSchemaConverter:
         if not isinstance(schema, dict):
             raise GrammarCompileError(f"json: a schema must be an object or boolean, got {type(schema).__name__}")
         bad = REFUSED & schema.keys()
-        if bad:
+        if bad and not self.only_literals(schema):
             raise GrammarCompileError(f"json: keyword {sorted(bad)[0]!r} is not supported")
         if "$ref" in schema:
             return self.ref(schema, refs, depth)
@@ -309,13 +309,22 @@ class JsonSchemaConverter:
         if "anyOf" in schema or "oneOf" in schema:
             return self.alternatives(schema, refs, depth)
         if "enum" in schema or "const" in schema:
-            return self.literals(schema)
+            return self.literals(schema)  # every sibling keyword is checked by a validator there
+        if {"if", "then", "else"} & schema.keys():
+            return self.node(self.fold_conditional(schema), refs, depth)
+        if "not" in schema:
+            return self.node(self.fold_not(schema), refs, depth)
         types = self.implied_types(schema)
         if types is None:
             return self.any_value(depth)
         if "number" in types and "integer" in types:
             types = [t for t in types if t != "integer"]
         return alt(*[self.typed(t, schema, refs, depth) for t in types])
+
+    @staticmethod
+    def only_literals(s: dict) -> bool:
+        """The schema generates from its enum/const alone, each value checked by a validator."""
+        return ("enum" in s or "const" in s) and not (COMBINATORS & s.keys()) and not (DEPENDENCY_KEYWORDS & s.keys())
 
     @staticmethod
     def implied_types(s: dict) -> list | None:
@@ -699,7 +708,7 @@ class JsonSchemaConverter:
                 raise GrammarCompileError(f"json: cannot merge keyword {k!r} across 'allOf' branches")
         # one branch's additionalProperties governs the properties only the other declares
         for x, y in ((a, b), (b, a)):
-            extra = [n for n in y.get("properties", {}) if n not in x.get("properties", {})]
+            extra = [n for n, v in y.get("properties", {}).items() if n not in x.get("properties", {}) and v is not False]
             addl = x.get("additionalProperties", True)
             if extra and addl is False:
                 raise GrammarCompileError("json: 'allOf' branches where one has additionalProperties false "
@@ -922,6 +931,54 @@ class JsonSchemaConverter:
             return NEVER if min_p else self.lbrace + self.rbrace
         more = seq(pair, rep(seq(self.comma, pair), 0, None if max_p is None else max_p - 1))
         return seq(self.lbrace, more if min_p else opt(more), self.rbrace)
+
+    def fold_not(self, schema: dict):
+        """`not` as a restriction of the rest of the schema: dropped when nothing the rest generates
+        can match it; `not: {}` is false; `not: {type: T}` removes types; `not: {required: R}`
+        forbids one property of R (and non-objects, which satisfy any `required`)."""
+        rest = {k: v for k, v in schema.items() if k != "not"}
+        neg = self.flat(schema["not"])
+        if neg is False:
+            return rest
+        if neg is True or neg == {}:
+            return False
+        if self.excludes(rest, schema["not"]):
+            return rest
+        keys = set(neg) - ANNOTATIONS if isinstance(neg, dict) else set()
+        if keys == {"type"}:
+            drop = _widen({neg["type"]} if isinstance(neg["type"], str) else set(neg["type"]))
+            if "integer" in drop:  # numbers that are not integers cannot be generated alone
+                drop.add("number")
+            return self.merge(rest, {"type": [t for t in ALL_TYPES if t not in drop]})
+        if keys == {"required"} and isinstance(neg["required"], list) and neg["required"]:
+            req = self.flat(rest)
+            req = req.get("required", []) if isinstance(req, dict) else []
+            k = next((n for n in neg["required"] if n not in req), neg["required"][0])
+            return self.merge(rest, {"type": "object", "properties": {k: False}})
+        raise GrammarCompileError("json: keyword 'not' is not supported here (only 'not' of {}, a type, a "
+                                  "required list, or of what the rest of the schema already excludes)")
+
+    def fold_conditional(self, schema: dict):
+        """if/then/else as anyOf[rest+if+then, rest+else+not(if)], keeping the branches that
+        can be enforced (then/else alone, without if, are ignored as validators ignore them)."""
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        if "if" not in schema or not ({"then", "else"} & schema.keys()):
+            return rest
+        cond, then, other = schema["if"], schema.get("then", True), schema.get("else", True)
+        branches = []
+        for parts in ((cond, then), ({"not": cond}, other)):
+            try:
+                b = rest
+                for p in parts:
+                    b = self.merge(b, self.deref(p, ()))
+                if isinstance(b, dict) and "not" in b:
+                    b = self.fold_not(b)
+                branches.append(b)
+            except GrammarCompileError:
+                continue
+        if not branches:
+            raise GrammarCompileError("json: keyword 'if' with 'then'/'else' that cannot be enforced is not supported")
+        return {"anyOf": branches}
 
     def fold_dependencies(self, s: dict):
         """dependencies / dependentRequired / dependentSchemas, enforced by requiring each one
