@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import re
+from decimal import Decimal
 from urllib.parse import unquote, urldefrag, urljoin
 
 from strand.constrained.errors import GrammarCompileError
@@ -75,6 +76,7 @@ TYPE_KEYWORDS = {
 # state per count, so maxLength 32767 would otherwise mean 32767 mask rows.
 MAX_STRING_LENGTH = 128
 MAX_ITEMS = 32
+MAX_MULTIPLES = 64  # values generated for a multipleOf other than 1
 ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -810,10 +812,38 @@ class JsonSchemaConverter:
                 raise GrammarCompileError(f"json: numeric bound {v!r} is not a finite number")
         return lo, lo_excl, hi, hi_excl
 
+    def multiples(self, s: dict, integer: bool):
+        """multipleOf other than 1: the first MAX_MULTIPLES multiples from the lower bound (or 0,
+        or down from the upper bound), each kept only if a validator agrees (for a fractional
+        step jsonschema divides floats, so 0.07 is not a multiple of 0.01 there)."""
+        mult = s["multipleOf"]
+        if isinstance(mult, bool) or not isinstance(mult, (int, float)) or not math.isfinite(mult) or mult <= 0:
+            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult!r}) must be a positive number")
+        lo, _, hi, _ = self.bounds(s)
+        step = Decimal(repr(mult))
+        if lo is not None:
+            first = math.ceil(Decimal(repr(lo)) / step)
+        elif hi is not None:
+            first = math.floor(Decimal(repr(hi)) / step) - MAX_MULTIPLES + 1
+        else:
+            first = 0
+        check = {k: v for k, v in s.items() if k in TYPE_KEYWORDS["number"]}
+        if integer:
+            check["type"] = "integer"
+        vals = []
+        for m in range(first, first + MAX_MULTIPLES):
+            d = step * m
+            v = int(d) if d == d.to_integral_value() else float(d)
+            if self.valid_under(v, check, unsure=False):
+                vals.append(v)
+        if not vals:
+            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult}): no multiple found in the bounds")
+        return alt(*[json_literal(v) for v in vals])
+
     def integer(self, s: dict):
         mult = s.get("multipleOf")
         if mult is not None and not (isinstance(mult, (int, float)) and float(mult) == 1.0):
-            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult}) is not supported")
+            return self.multiples(s, integer=True)
         lo, lo_excl, hi, hi_excl = self.bounds(s)
         if lo is None and hi is None:
             return INTEGER
@@ -828,13 +858,15 @@ class JsonSchemaConverter:
         if mult is not None:
             if isinstance(mult, (int, float)) and float(mult) == 1.0:
                 return self.integer({k: v for k, v in s.items() if k != "multipleOf"})
-            raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult}) is not supported")
+            return self.multiples(s, integer=False)
         lo, lo_excl, hi, hi_excl = self.bounds(s)
         if lo is None and hi is None:
             return NUMBER
-        for v in (lo, hi):
-            if v is not None and float(v) != int(v):
-                raise GrammarCompileError(f"json: non-integer bound {v!r} on a number (minimum/maximum) is not supported")
+        # a fractional bound is tightened inwards to an integer (a subset of the interval)
+        if lo is not None and float(lo) != int(lo):
+            lo, lo_excl = math.ceil(lo), False
+        if hi is not None and float(hi) != int(hi):
+            hi, hi_excl = math.floor(hi), False
         return number_range(None if lo is None else int(lo), lo_excl, None if hi is None else int(hi), hi_excl)
 
     # -- containers --
