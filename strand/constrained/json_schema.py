@@ -867,6 +867,9 @@ class JsonSchemaConverter:
             lo, lo_excl = math.ceil(lo), False
         if hi is not None and float(hi) != int(hi):
             hi, hi_excl = math.floor(hi), False
+        if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_excl or hi_excl))):
+            raise GrammarCompileError(f"json: fractional bounds 'minimum'/'maximum' {s.get('minimum')}..{s.get('maximum')} "
+                                      "with no integer between them are not supported")
         return number_range(None if lo is None else int(lo), lo_excl, None if hi is None else int(hi), hi_excl)
 
     # -- containers --
@@ -982,11 +985,24 @@ class JsonSchemaConverter:
             if "integer" in drop:  # numbers that are not integers cannot be generated alone
                 drop.add("number")
             return self.merge(rest, {"type": [t for t in ALL_TYPES if t not in drop]})
-        if keys == {"required"} and isinstance(neg["required"], list) and neg["required"]:
-            req = self.flat(rest)
-            req = req.get("required", []) if isinstance(req, dict) else []
-            k = next((n for n in neg["required"] if n not in req), neg["required"][0])
-            return self.merge(rest, {"type": "object", "properties": {k: False}})
+        if keys and keys <= {"type", "required", "properties"} and neg.get("type", "object") in ("object", ["object"]):
+            # an object fails `neg` if it lacks one required property or one property's value
+            # fails; a non-object fails it only through `type`
+            obj = {} if "type" in neg else {"type": "object"}
+            flat = self.flat(rest)
+            flat = flat if isinstance(flat, dict) else {}
+            if isinstance(neg.get("required"), list) and neg["required"]:
+                req = flat.get("required", [])
+                k = next((n for n in neg["required"] if n not in req), neg["required"][0])
+                return self.merge(rest, {**obj, "properties": {k: False}})
+            for k, sub in (neg.get("properties") or {}).items():
+                cur = (flat.get("properties") or {}).get(k, {})
+                val = {**(cur if isinstance(cur, dict) else {}), "not": sub}
+                try:
+                    val = val if self.only_literals(val) else self.fold_not(val)
+                    return self.merge(rest, {**obj, "required": [k], "properties": {k: val}})
+                except GrammarCompileError:
+                    continue
         raise GrammarCompileError("json: keyword 'not' is not supported here (only 'not' of {}, a type, a "
                                   "required list, or of what the rest of the schema already excludes)")
 
@@ -1003,8 +1019,8 @@ class JsonSchemaConverter:
                 b = rest
                 for p in parts:
                     b = self.merge(b, self.deref(p, ()))
-                if isinstance(b, dict) and "not" in b:
-                    b = self.fold_not(b)
+                    if isinstance(b, dict) and "not" in b and not self.only_literals(b):
+                        b = self.fold_not(b)
                 branches.append(b)
             except GrammarCompileError:
                 continue
