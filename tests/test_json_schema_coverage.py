@@ -49,6 +49,10 @@ SCHEMAS = [
                                             {"type": "object", "properties": {"k": {"const": "square"}, "r": {"type": "integer"}},
                                              "required": ["k"]}]},
      [{"k": "circle", "r": 1}, {"k": "square"}]),
+    ("one_of_pattern_prefixes", {"oneOf": [{"type": "string", "pattern": "^https?://[a-z]+$"},
+                                           {"type": "string", "pattern": "^\\./[a-z]+$"}]}, ["http://x", "./y"]),
+    ("all_of_one_of_product", {"allOf": [{"oneOf": [{"const": 1}, {"const": 2}]}, {"oneOf": [{"enum": [1, 3]}, {"enum": [2, 4]}]}]},
+     [1, 2]),
     # dependencies: folded in when their property may be generated
     ("dependencies_optional", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
                                "dependencies": {"a": ["b"]}}, [{"b": True}, {"a": 1, "b": False}]),
@@ -129,6 +133,23 @@ def test_enforced_keywords_walks_validate(compiler, tok, name, schema, valid):
 ])
 def test_unenforceable_keywords_refused(schema, keyword):
     with pytest.raises(GrammarCompileError, match=re.escape(keyword)):
+        JsonSchemaConverter("compact").convert(schema)
+
+
+def test_unsatisfiable_one_of_is_refused_not_generated():
+    # every branch's `not` contradicts the properties the object requires (a GlaiveAI pattern)
+    schema = {"type": "object", "properties": {"r": {"type": "number"}, "w": {"type": "number"}},
+              "required": ["r", "w"],
+              "oneOf": [{"not": {"required": ["r"]}, "required": ["w"]}, {"not": {"required": ["w"]}, "required": ["r"]}]}
+    with pytest.raises(GrammarCompileError, match="accepts no value"):
+        JsonSchemaConverter("compact").convert(schema)
+
+
+def test_recursive_all_of_ref_is_cut():
+    schema = {"definitions": {"Foo": {"type": "object", "required": ["kid"],
+                                      "properties": {"kid": {"allOf": [{"$ref": "#/definitions/Foo"}, {"type": "object"}]}}}},
+              "$ref": "#/definitions/Foo"}
+    with pytest.raises(GrammarCompileError, match="accepts no value"):
         JsonSchemaConverter("compact").convert(schema)
 
 

@@ -303,9 +303,14 @@ class JsonSchemaConverter:
             return self.ref(schema, refs, depth)
         if "allOf" in schema:
             merged = {k: v for k, v in schema.items() if k != "allOf"}
+            inlined = refs  # a $ref inlined here counts towards its unroll limit
             for branch in schema["allOf"]:
+                if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+                    if inlined.count(branch["$ref"]) >= self.max_ref_unroll:
+                        return NEVER
+                    inlined += (branch["$ref"],)
                 merged = self.merge(merged, self.deref(branch, refs))
-            return self.node(merged, refs, depth)
+            return self.node(merged, inlined, depth)
         if DEPENDENCY_KEYWORDS & schema.keys():
             return self.node(self.fold_dependencies(schema), refs, depth)
         if "anyOf" in schema or "oneOf" in schema:
@@ -500,6 +505,11 @@ class JsonSchemaConverter:
                     merged = self.merge(merged, self.deref(b, ()))
                 s = self.deref(merged, ())
                 hops += 1
+            if isinstance(s, dict) and "not" in s and not self.only_literals(s):
+                try:
+                    s = self.fold_not(s)
+                except GrammarCompileError:
+                    pass  # reasoned about without its `not` (which only narrows it)
         except (GrammarCompileError, RecursionError):
             return None
         return None if isinstance(s, dict) and "allOf" in s else s
@@ -532,6 +542,10 @@ class JsonSchemaConverter:
                 return subs is not None and all(self.excludes(fa, x, hops + 1) for x in subs)
         if shared <= {"integer", "number"} and self.ranges_disjoint(fa, fb):
             return True
+        if shared == {"string"} and isinstance(fa.get("pattern"), str) and isinstance(fb.get("pattern"), str):
+            pa, pb = _anchored_prefix(fa["pattern"]), _anchored_prefix(fb["pattern"])
+            if not (pa.startswith(pb) or pb.startswith(pa)):
+                return True  # every string of a starts with pa, every string of b with pb
         if shared == {"object"}:
             return self.objects_exclude(fa, fb, hops)
         return False
@@ -546,6 +560,8 @@ class JsonSchemaConverter:
         free = not props_a and not req_a and (addl_a is not False or a.get("patternProperties"))
         deps = DEPENDENCY_KEYWORDS & a.keys()
         keys_a = None if free or deps else {k for k, v in props_a.items() if v is not False} | req_a
+        if any(props_a.get(k) is False for k in req_a):
+            return True  # a generates no object at all
         props_b = b.get("properties") or {}
         if keys_a is not None and set(b.get("required") or []) - keys_a:
             return True
@@ -705,7 +721,10 @@ class JsonSchemaConverter:
             elif k == "additionalProperties" and isinstance(v, (dict, bool)) and isinstance(out[k], (dict, bool)):
                 out[k] = self.merge(out[k], v)
             elif k in ("anyOf", "oneOf"):
-                out["allOf"] = list(out.get("allOf", [])) + [{k: v}]
+                # (exactly) one of A and one of B == (exactly) one of the pairs
+                if len(out[k]) * len(v) > 64:
+                    raise GrammarCompileError(f"json: 'allOf' of two '{k}' with {len(out[k])} x {len(v)} branches is too large")
+                out[k] = [{"allOf": [x, y]} for x in out[k] for y in v]
             else:
                 raise GrammarCompileError(f"json: cannot merge keyword {k!r} across 'allOf' branches")
         # one branch's additionalProperties governs the properties only the other declares
@@ -1144,6 +1163,26 @@ def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, de
     obj = FSM.concatenate(P(lbrace), opt(FSM.concatenate(pair, FSM.concatenate(P(comma), pair).star())), P(rbrace))
     arr = FSM.concatenate(P(lbracket), opt(FSM.concatenate(inner, FSM.concatenate(P(comma), inner).star())), P(rbracket))
     return FSM.union(P(scalars), obj, arr).reduce()
+
+
+def _anchored_prefix(pattern: str) -> str:
+    """The literal text every match of a '^'-anchored pattern starts with ('' if unanchored)."""
+    if not pattern.startswith("^") or "|" in pattern:
+        return ""
+    out, i = [], 1
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            c, i = pattern[i + 1], i + 1
+        elif not (c.isalnum() or c in " -_/:,@#%&=~'\"<>!;`"):
+            break
+        if i + 1 < len(pattern) and pattern[i + 1] in "?*{":
+            break
+        out.append(c)
+        if i + 1 < len(pattern) and pattern[i + 1] == "+":
+            break
+        i += 1
+    return "".join(out)
 
 
 def _same(a, b) -> bool:
