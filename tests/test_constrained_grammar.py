@@ -295,7 +295,7 @@ def test_compile_async_dedupes_and_errors(info):
     f1 = c.compile_async("regex", "[a-c]{2}x")
     f2 = c.compile_async("regex", "[a-c]{2}x")
     assert f1.result(timeout=30) is f2.result(timeout=30)
-    bad = c.compile_async("json", json.dumps({"not": {}}))
+    bad = c.compile_async("json", json.dumps({"type": "string", "not": {"pattern": "^a"}}))
     with pytest.raises(GrammarCompileError, match="not"):
         bad.result(timeout=30)
     c.shutdown()
