@@ -274,6 +274,7 @@ class JsonSchemaConverter:
         self.lbracket, self.rbracket = r"\[" + w, w + r"\]"
         self.root: dict = {}
         self._validator = None
+        self._not_depth = 0
         self.index_ids(self.root)
 
     def convert(self, schema):
@@ -470,7 +471,7 @@ class JsonSchemaConverter:
         subset of the branch: literals another branch accepts are dropped, an optional property
         another branch requires is forbidden, or one whose value no other branch accepts is
         required."""
-        flats = [self.flat(b) for b in branches]
+        flats = [self.flat(b, fold=True) for b in branches]
         out = []
         for i, b in enumerate(branches):
             cur = flats[i]
@@ -495,8 +496,10 @@ class JsonSchemaConverter:
                 out.append((b, refs))
         return out
 
-    def flat(self, s, hops: int = 0):
-        """s with its top-level $ref and allOf merged in; None when they cannot be merged."""
+    def flat(self, s, hops: int = 0, fold: bool = False):
+        """s with its top-level $ref and allOf merged in; None when they cannot be merged. With
+        `fold`, a top-level `not` is folded as node() folds it, which narrows s: only for a
+        schema that is then generated from, never for one whose language is reasoned about."""
         try:
             s = self.deref(s, ())
             while isinstance(s, dict) and "allOf" in s and hops < 8:
@@ -505,7 +508,7 @@ class JsonSchemaConverter:
                     merged = self.merge(merged, self.deref(b, ()))
                 s = self.deref(merged, ())
                 hops += 1
-            if isinstance(s, dict) and "not" in s and not self.only_literals(s):
+            if fold and isinstance(s, dict) and "not" in s and not self.only_literals(s):
                 try:
                     s = self.fold_not(s)
                 except GrammarCompileError:
@@ -555,7 +558,7 @@ class JsonSchemaConverter:
         property a never generates, b is closed and a always generates one it does not declare,
         or a always generates one whose value b's schema for it rejects."""
         props_a = a.get("properties") or {}
-        req_a = set(a.get("required") or [])
+        req_a = set(_required(a))
         addl_a = a.get("additionalProperties", True)
         free = not props_a and not req_a and (addl_a is not False or a.get("patternProperties"))
         deps = DEPENDENCY_KEYWORDS & a.keys()
@@ -563,7 +566,7 @@ class JsonSchemaConverter:
         if any(props_a.get(k) is False for k in req_a):
             return True  # a generates no object at all
         props_b = b.get("properties") or {}
-        if keys_a is not None and set(b.get("required") or []) - keys_a:
+        if keys_a is not None and set(_required(b)) - keys_a:
             return True
         if b.get("additionalProperties", True) is False and not b.get("patternProperties") and req_a - set(props_b):
             return True
@@ -584,14 +587,14 @@ class JsonSchemaConverter:
         if not isinstance(b, dict) or "anyOf" in a or "oneOf" in a or "object" not in self.out_types(a):
             return None
         props = a.get("properties") or {}
-        req = list(a.get("required") or [])
+        req = _required(a)
         optional = [k for k, v in props.items() if k not in req and v is not False]
         props_b = b.get("properties") or {}
         closed_b = b.get("additionalProperties", True) is False and not b.get("patternProperties")
         for k in optional:  # require a property whose value b cannot accept
             if (closed_b and k not in props_b) or (k in props_b and self.excludes(props[k], props_b[k])):
                 return {**a, "required": req + [k]}
-        for k in b.get("required") or []:  # forbid an optional property b requires
+        for k in _required(b):  # forbid an optional property b requires
             if k in optional:
                 return {**a, "properties": {**props, k: False}}
         return None
@@ -990,6 +993,15 @@ class JsonSchemaConverter:
         """`not` as a restriction of the rest of the schema: dropped when nothing the rest generates
         can match it; `not: {}` is false; `not: {type: T}` removes types; `not: {required: R}`
         forbids one property of R (and non-objects, which satisfy any `required`)."""
+        self._not_depth += 1
+        try:
+            if self._not_depth > 16:
+                raise GrammarCompileError("json: keyword 'not' nested too deeply (or recursive)")
+            return self._fold_not(schema)
+        finally:
+            self._not_depth -= 1
+
+    def _fold_not(self, schema: dict):
         rest = {k: v for k, v in schema.items() if k != "not"}
         neg = self.flat(schema["not"])
         if neg is False:
@@ -1011,7 +1023,7 @@ class JsonSchemaConverter:
             flat = self.flat(rest)
             flat = flat if isinstance(flat, dict) else {}
             if isinstance(neg.get("required"), list) and neg["required"]:
-                req = flat.get("required", [])
+                req = _required(flat)
                 k = next((n for n in neg["required"] if n not in req), neg["required"][0])
                 return self.merge(rest, {**obj, "properties": {k: False}})
             for k, sub in (neg.get("properties") or {}).items():
@@ -1163,6 +1175,11 @@ def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, de
     obj = FSM.concatenate(P(lbrace), opt(FSM.concatenate(pair, FSM.concatenate(P(comma), pair).star())), P(rbrace))
     arr = FSM.concatenate(P(lbracket), opt(FSM.concatenate(inner, FSM.concatenate(P(comma), inner).star())), P(rbracket))
     return FSM.union(P(scalars), obj, arr).reduce()
+
+
+def _required(s: dict) -> list:
+    r = s.get("required")
+    return [n for n in r if isinstance(n, str)] if isinstance(r, list) else []
 
 
 def _anchored_prefix(pattern: str) -> str:
