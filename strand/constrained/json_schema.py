@@ -13,8 +13,6 @@ import functools
 import json
 import math
 import re
-from decimal import Decimal
-from urllib.parse import unquote, urldefrag, urljoin
 
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.fsm import check_deadline, literal_char, regex_to_char_fsm
@@ -369,6 +367,7 @@ class JsonSchemaConverter:
         """Where `$id`/`id` and `$anchor` put schemas, for references by URI or by anchor name;
         and which $ref strings occur inside a sub-resource with its own base URI (those would
         resolve against that base, which is not tracked, so they are refused)."""
+        from urllib.parse import urldefrag, urljoin
         self.ids, self.anchors, self.nested_refs = {}, {}, set()
         own = root.get("$id", root.get("id")) if isinstance(root, dict) else None
         self.base = urldefrag(own)[0] if isinstance(own, str) else ""
@@ -402,6 +401,8 @@ class JsonSchemaConverter:
         walk(root, self.base, False)
 
     def resolve(self, ref: str):
+        from urllib.parse import unquote, urldefrag, urljoin
+
         if not isinstance(ref, str):
             raise GrammarCompileError(f"json: $ref {ref!r} is not a string")
         if ref in self.nested_refs:
@@ -838,6 +839,8 @@ class JsonSchemaConverter:
         """multipleOf other than 1: the first MAX_MULTIPLES multiples from the lower bound (or 0,
         or down from the upper bound), each kept only if a validator agrees (for a fractional
         step jsonschema divides floats, so 0.07 is not a multiple of 0.01 there)."""
+        from decimal import Decimal
+
         mult = s["multipleOf"]
         if isinstance(mult, bool) or not isinstance(mult, (int, float)) or not math.isfinite(mult) or mult <= 0:
             raise GrammarCompileError(f"json: keyword 'multipleOf' ({mult!r}) must be a positive number")
