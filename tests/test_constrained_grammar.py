@@ -248,7 +248,7 @@ def test_whitespace_modes(info, tok):
     ({"type": "array", "contains": {"type": "integer"}}, "contains"),
     ({"type": "string", "not": {"pattern": "^a"}}, "not"),
     ({"type": "string", "pattern": "^a", "if": {"pattern": "^ab"}, "then": {"maxLength": 3}}, "if"),
-    ({"type": "object", "properties": {"xa": {}}, "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+    ({"type": "object", "properties": {"xa": {}}, "patternProperties": {"(x": {"type": "integer"}}}, "patternProperties"),
     ({"type": "integer", "multipleOf": 3, "minimum": 1, "maximum": 2}, "multipleOf"),
     ({"type": "number", "minimum": 0.2, "maximum": 0.8}, "minimum"),
     ({"type": "string", "format": "ipv6"}, "ipv6"),

@@ -69,6 +69,9 @@ SCHEMAS = [
     # objects without declared properties
     ("pattern_properties", {"type": "object", "patternProperties": {"^x-[a-z]{1,4}$": {"type": "integer"}},
                             "additionalProperties": False, "maxProperties": 3}, [{}, {"x-ab": 3}]),
+    ("pattern_properties_on_declared", {"type": "object", "properties": {"x-a": {"type": ["integer", "string"]}},
+                                        "patternProperties": {"^x-": {"type": "integer", "minimum": 0}}, "required": ["x-a"]},
+     [{"x-a": 4}]),
     ("property_names", {"type": "object", "propertyNames": {"enum": ["u", "v"]},
                         "additionalProperties": {"type": "boolean"}, "minProperties": 1}, [{"u": True}]),
     # not

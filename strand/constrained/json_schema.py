@@ -5,6 +5,10 @@ still useful: properties in declared order, no undeclared properties, bounded ne
 JSON values. A keyword that constrains instances but that the converter cannot enforce exactly
 raises GrammarCompileError naming it; annotations and unknown (non-vocabulary) keywords are
 ignored, as validators ignore them.
+
+Some keywords are enforced by narrowing: oneOf branches are narrowed until no other branch
+accepts what one generates; dependencies, `not` and if/then/else are folded into the schema as
+restrictions (e.g. a dependency is required whenever its property may be generated).
 """
 
 from __future__ import annotations
@@ -927,8 +931,8 @@ class JsonSchemaConverter:
                 hit = [n for n in props if re.search(pat, n)]
             except re.error:
                 raise GrammarCompileError(f"json: patternProperties pattern {pat!r} is invalid") from None
-            if hit:
-                raise GrammarCompileError(f"json: keyword 'patternProperties' matching declared property {hit[0]!r} is not supported")
+            for n in hit:  # a declared property whose name matches is bound by both schemas
+                props[n] = self.merge(self.deref(props[n], refs), self.deref(pattern_props[pat], refs))
         if names not in (None, True, {}):
             bad = [n for n in props if not self.valid_under(n, names, unsure=False)]
             if any(n in required for n in bad):
