@@ -2,6 +2,7 @@
 
   python benchmarks/bench_constrained.py speed --n 20          # strand vs xgrammar vs outlines-core
   python benchmarks/bench_constrained.py coverage --limit 100  # per collection: compile %, valid %
+  python benchmarks/bench_constrained.py coverage --convert-only  # schema -> regex only, refusals grouped
 
 Speed: compact-JSON schemas from jsonschemabench that strand compiles; one valid output per schema
 (a steered random walk through strand's mask, re-tokenized with the tokenizer itself) is fed to
@@ -16,6 +17,7 @@ import glob
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -327,6 +329,91 @@ def coverage(args, tok, info):
         print(f"  {v:5}  {k}")
 
 
+def _reason(msg: str) -> str:
+    """A refusal message with its schema-specific details (names, numbers, patterns) blanked."""
+    msg = msg.split(":", 1)[1].strip() if msg.startswith("json:") else msg
+    msg = re.sub(r"\[[^\]]*\]", "[..]", msg)
+    msg = re.sub(r"\((?!use)[^)]*\)", "(..)", msg)
+    msg = re.sub(r"'[^']*'", lambda m: m[0] if re.fullmatch(r"'[A-Za-z$]+'", m[0]) else "'..'", msg)
+    msg = re.sub(r"-?\d+(\.\d+)?", "N", msg)
+    return msg[:90]
+
+
+class _StubFsm(str):
+    """Stands in for a char FSM when only the converter's decisions are measured: patterns are
+    parsed (so unsupported constructs are still refused) but never built into automata."""
+
+    def __and__(self, other):
+        return self
+
+    def empty(self):
+        return False
+
+
+def _stub_regex_to_char_fsm(regex: str):
+    import interegular
+
+    from strand.constrained.fsm import _normalize_regex, strip_anchors
+
+    try:
+        re.compile(regex)
+        interegular.parse_pattern(_normalize_regex(strip_anchors(regex)))
+    except GrammarCompileError:
+        raise
+    except Exception as e:
+        raise GrammarCompileError(f"regex: unsupported construct in {regex!r}: {type(e).__name__}") from None
+    return _StubFsm("FSM")
+
+
+def convert_coverage(args):
+    """Converter-level acceptance (schema -> regex with automata stubbed out, so no FSM or
+    tokenizer compile), with xgrammar's acceptance on the same files when it is installed
+    (xgrammar falls back to a looser grammar for keywords it cannot enforce, with a warning)."""
+    from strand.constrained import json_schema
+    from strand.constrained.json_schema import JsonSchemaConverter
+
+    json_schema.regex_to_char_fsm = _stub_regex_to_char_fsm
+    json_schema._any_value_fsm = lambda *a: _StubFsm("ANY")
+
+    xgr = None
+    if args.xgrammar:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            print("[skip] xgrammar is not installed")
+    reasons: dict[str, list[str]] = {}
+    print(f"{'collection':16} {'schemas':>7} {'strand':>8} {'timeout':>8} {'xgrammar':>9}")
+    for coll in COLLECTIONS:
+        files = schema_files(coll)
+        if args.limit:
+            random.Random(args.seed).shuffle(files)
+            files = files[: args.limit]
+        ok = timeouts = xok = 0
+        for path in files:
+            schema = load_schema(path)
+            try:
+                JsonSchemaConverter("compact", deadline=time.monotonic() + args.timeout).convert(schema)
+                ok += 1
+            except GrammarCompileError as e:
+                if "timed out" in str(e):
+                    timeouts += 1
+                reasons.setdefault(_reason(str(e)), []).append(os.path.basename(path))
+            except RecursionError:
+                reasons.setdefault("RecursionError", []).append(os.path.basename(path))
+            if xgr is not None:
+                try:
+                    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+                    xok += 1
+                except Exception:
+                    pass
+        n = max(len(files), 1)
+        xs = f"{100 * xok / n:>8.1f}%" if xgr is not None else f"{'-':>9}"
+        print(f"{coll:16} {len(files):>7} {100 * ok / n:>7.1f}% {timeouts:>8} {xs}", flush=True)
+    print("\nrefusal reasons (top 25):")
+    for k, v in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:25]:
+        print(f"  {len(v):5}  {k}  (e.g. {', '.join(v[:2])})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["speed", "coverage"])
@@ -336,7 +423,12 @@ def main():
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--convert-only", action="store_true",
+                    help="coverage: only convert schema -> regex (per-schema --timeout), group the refusals")
+    ap.add_argument("--xgrammar", action="store_true", help="coverage --convert-only: xgrammar's acceptance too")
     args = ap.parse_args()
+    if args.mode == "coverage" and args.convert_only:
+        return convert_coverage(args)
     torch.set_num_threads(1)
     from strand.runtime.tokenizer import load_tokenizer
 
