@@ -339,41 +339,11 @@ def _reason(msg: str) -> str:
     return msg[:90]
 
 
-class _StubFsm(str):
-    """Stands in for a char FSM when only the converter's decisions are measured: patterns are
-    parsed (so unsupported constructs are still refused) but never built into automata."""
-
-    def __and__(self, other):
-        return self
-
-    def empty(self):
-        return False
-
-
-def _stub_regex_to_char_fsm(regex: str):
-    import interegular
-
-    from strand.constrained.fsm import _normalize_regex, strip_anchors
-
-    try:
-        re.compile(regex)
-        interegular.parse_pattern(_normalize_regex(strip_anchors(regex)))
-    except GrammarCompileError:
-        raise
-    except Exception as e:
-        raise GrammarCompileError(f"regex: unsupported construct in {regex!r}: {type(e).__name__}") from None
-    return _StubFsm("FSM")
-
-
 def convert_coverage(args):
-    """Converter-level acceptance (schema -> regex with automata stubbed out, so no FSM or
-    tokenizer compile), with xgrammar's acceptance on the same files when it is installed
-    (xgrammar falls back to a looser grammar for keywords it cannot enforce, with a warning)."""
-    from strand.constrained import json_schema
+    """Converter-level acceptance (schema -> regex node, no token index), with xgrammar's
+    acceptance on the same files when it is installed (xgrammar falls back to a looser grammar
+    for keywords it cannot enforce, with a warning)."""
     from strand.constrained.json_schema import JsonSchemaConverter
-
-    json_schema.regex_to_char_fsm = _stub_regex_to_char_fsm
-    json_schema._any_value_fsm = lambda *a: _StubFsm("ANY")
 
     xgr = None
     if args.xgrammar:
