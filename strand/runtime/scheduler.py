@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from strand.radix_cache import RadixCache, SchedulePolicy
+from strand.runtime.draft_lookup import lookup_drafts
 from strand.runtime.forward_batch import ForwardBatch
 from strand.runtime.io_struct import ReqOutput, TokenizedGenerateReq
-from strand.runtime.draft_lookup import lookup_drafts
 from strand.runtime.model_runner import ModelRunner
 from strand.runtime.sampler import SampleRow, sample, top_logprobs_of
 from strand.runtime.sampling_params import SamplingParams
@@ -541,19 +541,21 @@ class Scheduler:
         if room <= 0 or p.stop:
             return
         g = req.grammar
+        stops = set(req.stop_ids)
+
+        def usable(ids: list[int]) -> list[int]:  # up to a stop token, then what the grammar accepts
+            ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+            return ids[:accepted_prefix(g, ids)]
+
         forced = g.jump_forward_string()
-        best = self.tokenizer.encode(forced, add_special_tokens=False)[:room] if forced else []
-        best = best[:accepted_prefix(g, best)]
+        best = usable(self.tokenizer.encode(forced, add_special_tokens=False)[:room]) if forced else []
         if not self.args.disable_draft_lookup:
             for guess in lookup_drafts(req.fill_ids, room):
-                n = accepted_prefix(g, guess)
-                if n:  # the longest n-gram whose continuation the grammar allows at all
-                    if n > len(best):
-                        best = guess[:n]
+                guess = usable(guess)
+                if guess:  # the longest n-gram whose continuation is usable at all
+                    if len(guess) > len(best):
+                        best = guess
                     break
-        if req.stop_ids:
-            stops = set(req.stop_ids)
-            best = best[:next((i for i, t in enumerate(best) if t in stops), len(best))]
         if not best:
             return
         g.accept_tokens(best)
