@@ -18,9 +18,11 @@ from strand.constrained import (
     GrammarCompiler,
     GrammarMatcher,
     TokenizerInfo,
+    accepted_prefix,
     apply_token_bitmask_,
     batch_bitmask,
     jump_forward_tokens,
+    states_before,
 )
 
 
@@ -352,6 +354,22 @@ def test_matcher_rollback_and_refusal(compiler, tok):
     assert not m.accept_token(bad) and m.state == s_end
     assert m.accept_token(2) and m.is_terminated() and not m.accept_token(ids[0])
 
+
+
+def test_accepted_prefix_and_states_before(compiler, tok):
+    g = compiler.compile("json", json.dumps(S_PERSON))
+    m = GrammarMatcher(g)
+    ids = tok.encode('{"name":"Bo","age":7}', add_special_tokens=False)
+    bad = tok.encode("x", add_special_tokens=False)[0]
+    assert accepted_prefix(m, ids) == len(ids) and m.state == 0 and m.num_accepted == 0
+    assert accepted_prefix(m, ids[:6] + [bad] + ids[6:]) == 6 and m.state == 0  # x after the key "age"
+    states = [0]
+    for t in ids:
+        m.accept_token(t)
+        states.append(m.state)
+    assert states_before(m, 3) == states[-4:-1] and states_before(m, 0) == []
+    with pytest.raises(ValueError):
+        states_before(m, len(ids) + 1)
 
 def test_jump_forward_forced_strings(compiler, tok):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "ok": {"type": "boolean"}},

@@ -8,9 +8,11 @@ from strand.constrained.grammar import (
     CompiledGrammar,
     GrammarCompiler,
     GrammarMatcher,
+    accepted_prefix,
     apply_token_bitmask_,
     batch_bitmask,
     jump_forward_tokens,
+    states_before,
 )
 from strand.constrained.tokenizer_info import TokenizerInfo
 
@@ -20,7 +22,9 @@ __all__ = [
     "GrammarCompiler",
     "GrammarMatcher",
     "TokenizerInfo",
+    "accepted_prefix",
     "apply_token_bitmask_",
     "batch_bitmask",
     "jump_forward_tokens",
+    "states_before",
 ]

@@ -424,3 +424,21 @@ def jump_forward_tokens(matcher: GrammarMatcher, output_ids: list[int], tokenize
     if not probe.accept_tokens(new_ids):
         return None
     return k, new_ids
+
+
+def accepted_prefix(matcher: GrammarMatcher, token_ids) -> int:
+    """How many of `token_ids`, from the first, the matcher accepts in order; its state is unchanged."""
+    n = 0
+    for t in token_ids:
+        if not matcher.accept_token(t):
+            break
+        n += 1
+    matcher.rollback(n)
+    return n
+
+
+def states_before(matcher: GrammarMatcher, k: int) -> list[int]:
+    """The states the matcher was in before each of its last k accepted tokens, oldest first."""
+    if not 0 <= k <= matcher.num_accepted:
+        raise ValueError(f"states_before({k}) with {matcher.num_accepted} tokens accepted")
+    return matcher._history[len(matcher._history) - k:]

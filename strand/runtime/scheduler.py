@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from strand.radix_cache import RadixCache, SchedulePolicy
+from strand.runtime.draft_lookup import lookup_drafts
 from strand.runtime.forward_batch import ForwardBatch
 from strand.runtime.io_struct import ReqOutput, TokenizedGenerateReq
 from strand.runtime.model_runner import ModelRunner
@@ -34,6 +35,7 @@ from strand.runtime.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 MAX_RESERVE_PER_REQ = 4096  # cap on the decode room one request reserves at admission
+MAX_DRAFT = 16  # jump-forward drafts fed to one pass per request
 
 
 @dataclass(eq=False)
@@ -485,7 +487,7 @@ class Scheduler:
         from strand.constrained import jump_forward_tokens
 
         if self._drafts_verifiable(req):
-            self._draft_forced(req)
+            self._draft(req)
             return
         plan = jump_forward_tokens(req.grammar, req.output_ids, self.tokenizer)
         if plan is None:
@@ -522,18 +524,43 @@ class Scheduler:
             if req.top_logprobs_num:
                 req.output_top_logprobs.extend([] for _ in ids)
 
-    def _draft_forced(self, req: Req) -> None:
-        """Greedy: the forced text's tokens become drafts; the next pass checks each against the
-        model's own choice, so the output is exactly what it would be without jump-forward."""
-        forced = req.grammar.jump_forward_string()
-        if not forced:
+    def _draft(self, req: Req) -> None:
+        """Greedy: guess the next tokens as drafts; the next pass checks each against the model's own
+        choice, so the output is exactly what it would be without jump-forward.
+
+        Two guesses, the longer one is taken: the forced text as the tokenizer encodes it, and what
+        followed the request's last few tokens where they occurred before (prompt lookup), cut to
+        what the grammar accepts. The model often splits forced text its own way (a key it has not
+        seen comes out in short pieces), and repeats that split, its keys and its values; the
+        lookup catches those. Drafts stop before any stop token; requests with stop strings get no
+        drafts, since the stop-string check runs on sampled tokens only."""
+        from strand.constrained import accepted_prefix
+
+        p = req.params
+        room = min(p.max_new_tokens - len(req.output_ids) - 1, MAX_DRAFT)
+        if room <= 0 or p.stop:
             return
-        room = req.params.max_new_tokens - len(req.output_ids) - 1
-        drafts = self.tokenizer.encode(forced, add_special_tokens=False)[:max(room, 0)]
-        if not drafts or not req.grammar.accept_tokens(drafts):
+        g = req.grammar
+        stops = set(req.stop_ids)
+
+        def usable(ids: list[int]) -> list[int]:  # up to a stop token, then what the grammar accepts
+            ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+            return ids[:accepted_prefix(g, ids)]
+
+        forced = g.jump_forward_string()
+        best = usable(self.tokenizer.encode(forced, add_special_tokens=False)[:room]) if forced else []
+        if not self.args.disable_draft_lookup:
+            for guess in lookup_drafts(req.fill_ids, room):
+                guess = usable(guess)
+                if guess:  # the longest n-gram whose continuation is usable at all
+                    if len(guess) > len(best):
+                        best = guess
+                    break
+        if not best:
             return
-        self._append_unsampled(req, drafts)
-        req.draft = len(drafts)
+        g.accept_tokens(best)
+        self._append_unsampled(req, best)
+        req.draft = len(best)
 
     @staticmethod
     def _drafts_verifiable(req: Req) -> bool:
@@ -546,43 +573,41 @@ class Scheduler:
         the token after draft j - 1. Returns True when all drafts hold (the last row is then sampled
         as usual); otherwise keeps the agreeing drafts, takes the model's token at the first
         disagreement, frees the KV computed for the rest, and returns False."""
-        from strand.constrained import apply_token_bitmask_
+        from strand.constrained import apply_token_bitmask_, states_before
 
         m = req.draft
         req.draft = 0
-        drafts = req.output_ids[-m:]
-        req.grammar.rollback(m)
-        masked = logits[:m].clone()
+        g = req.grammar
         base = len(req.output_ids) - m
-        lp = torch.log_softmax(logits[:m], dim=-1) if req.return_logprob else None
-        for j, tok in enumerate(drafts):
-            row = masked[j:j + 1]
-            apply_token_bitmask_(row, req.grammar.grammar.mask_table[req.grammar.state][None])
-            choice = int(row.argmax())
-            if choice != tok:
-                break
-            req.grammar.accept_token(tok)
-            self.stats["jump_forward_tokens"] += 1
+        drafts = req.output_ids[base:]
+        masked = logits[:m].clone()  # [m, V]; row j masked by the state before draft j, as sampling would
+        states = torch.tensor(states_before(g, m), dtype=torch.int64)
+        apply_token_bitmask_(masked, g.grammar.mask_table[states])
+        choices = masked.argmax(dim=-1).tolist()
+        j = next((i for i, (c, t) in enumerate(zip(choices, drafts)) if c != t), m)
+        self.stats["jump_forward_tokens"] += j
+        self.stats["generation_tokens_total"] += j
+        if j < m:  # the model's greedy token replaces drafts j..m-1
+            g.rollback(m - j)
+            self._truncate_output(req, base + j)
+            ok = g.accept_token(choices[j])
+            assert ok, "the masked argmax is allowed by the grammar"
+            self._append_unsampled(req, choices[j:j + 1])
             self.stats["generation_tokens_total"] += 1
-            if lp is not None:
-                req.output_token_logprobs[base + j] = (float(lp[j, tok]), tok)
-                if req.top_logprobs_num:
-                    req.output_top_logprobs[base + j] = top_logprobs_of(lp[j:j + 1], req.top_logprobs_num)[0]
-        else:
-            return True
-        # Disagreement at draft j: the model's greedy token replaces drafts j..m-1.
-        self._truncate_output(req, len(req.output_ids) - m + j)
-        req.output_ids.append(choice)
-        req.grammar.accept_token(choice)
-        if lp is not None:
-            req.output_token_logprobs.append((float(lp[j, choice]), choice))
+        if req.return_logprob:  # rows 0..j: the accepted drafts, and the model's token at a disagreement
+            n = min(j + 1, m)
+            lp = torch.log_softmax(logits[:n], dim=-1)  # [n, V]
+            ids = req.output_ids[base:base + n]
+            chosen = lp.gather(1, torch.tensor(ids, dtype=torch.int64)[:, None]).squeeze(1).tolist()
+            req.output_token_logprobs[base:base + n] = list(zip(chosen, ids))
             if req.top_logprobs_num:
-                req.output_top_logprobs.append(top_logprobs_of(lp[j:j + 1], req.top_logprobs_num)[0])
+                req.output_top_logprobs[base:base + n] = top_logprobs_of(lp, req.top_logprobs_num)
+        if j == m:
+            return True
         new_kv = len(req.fill_ids) - 1
         row = self.req_to_token[req.req_pool_idx]
         self.allocator.free(row[new_kv:req.kv_len].clone())
         req.kv_len = new_kv
-        self.stats["generation_tokens_total"] += 1
         self._check_finished(req)
         if not req.finished and not self.args.disable_jump_forward:
             self._jump_forward(req)

@@ -46,6 +46,10 @@ class ServerArgs:
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
     # Constrained decoding
     disable_jump_forward: bool = field(default=False, metadata={"help": "turn off jump-forward"})
+    disable_draft_lookup: bool = field(
+        default=False, metadata={"help": "greedy jump-forward drafts only forced text, not also the "
+                                         "request's earlier tokens (prompt lookup)"}
+    )
     grammar_compile_timeout: float = field(default=30.0, metadata={"help": "seconds per compile"})
     json_whitespace: str = field(
         default="compact", metadata={"help": "JSON whitespace policy: compact | flexible"}

@@ -121,3 +121,55 @@ def test_jump_forward_keeps_logprobs_aligned(default_engine, jump_forward):
     assert len(out["meta_info"]["output_top_logprobs"]) == len(out["output_ids"])
     # greedy drafts are checked by the model, so every token has its real logprob
     assert all(lp is not None and lp <= 0 for lp, _, _ in lps)
+
+
+def test_lookup_drafts_continue_the_latest_match():
+    from strand.runtime.draft_lookup import lookup_drafts
+
+    assert lookup_drafts([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 2) == [[4, 1]] * 3  # latest match wins
+    assert lookup_drafts([5, 6, 7, 5, 6], 4) == [[7, 5, 6, 7]] * 2  # reaches the end: repeats
+    assert lookup_drafts([1, 2, 3], 4) == [] and lookup_drafts([1, 2, 3, 1], 0) == []
+    assert lookup_drafts([8, 1, 9, 2, 1], 3) == [[9, 2, 1]]  # only the 1-gram occurs before
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_account_identifier": {"type": "integer"},
+    "shipping_destination_postcode": {"type": "string", "maxLength": 8},
+    "preferred_delivery_window": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"earliest_hour_of_day": {"type": "integer"},
+                                         "latest_hour_of_day": {"type": "integer"}},
+        "required": ["earliest_hour_of_day", "latest_hour_of_day"]}}},
+    "required": ["customer_account_identifier", "shipping_destination_postcode", "preferred_delivery_window"]}
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["forced-only", "with-lookup"])
+def test_jump_forward_saves_passes_on_long_forced_keys(default_engine, jump_forward, lookup):
+    s = default_engine.scheduler
+    old = s.args.disable_draft_lookup
+    s.args.disable_draft_lookup = not lookup
+    try:
+        runs = {}
+        for jf in (False, True):
+            jump_forward(jf)
+            before = s.stats["num_forward_passes"]
+            out = default_engine.generate(prompt=prompt(default_engine, "Answer with a JSON value."),
+                                          sampling_params={"temperature": 0, "max_new_tokens": 96,
+                                                           "json_schema": json.dumps(LONG_KEYS)})
+            runs[jf] = out, s.stats["num_forward_passes"] - before
+    finally:
+        s.args.disable_draft_lookup = old
+    (off, passes_off), (on, passes_on) = runs[False], runs[True]
+    assert on["output_ids"] == off["output_ids"]
+    assert passes_off == len(off["output_ids"])  # one pass per token without jump-forward
+    assert passes_on <= (0.7 if lookup else 0.85) * passes_off, (passes_on, passes_off, off["text"])
+
+
+def test_greedy_with_stop_string_identical_with_and_without_jump_forward(default_engine, jump_forward):
+    outs = {}
+    for jf in (False, True):
+        jump_forward(jf)
+        outs[jf] = default_engine.generate(prompt=prompt(default_engine, "Answer with a JSON value."),
+                                           sampling_params={"temperature": 0, "max_new_tokens": 64, "stop": ["_hour"],
+                                                            "json_schema": json.dumps(LONG_KEYS)})
+    assert outs[True]["output_ids"] == outs[False]["output_ids"]
+    assert outs[True]["meta_info"]["finish_reason"] == outs[False]["meta_info"]["finish_reason"]
