@@ -99,6 +99,9 @@ class Scheduler:
     def __init__(self, args: ServerArgs):
         self.args = args
         self.runner = ModelRunner(args)
+        if args.draft_lookup not in ("on", "off"):
+            raise ValueError(f"draft_lookup must be on or off, got {args.draft_lookup!r}")
+        self.draft_lookup = args.draft_lookup == "on"
         self.model_config = self.runner.config
         self.model_path = self.runner.model_path
         self.context_length = self.runner.context_length
@@ -549,7 +552,7 @@ class Scheduler:
 
         forced = g.jump_forward_string()
         best = usable(self.tokenizer.encode(forced, add_special_tokens=False)[:room]) if forced else []
-        if not self.args.disable_draft_lookup:
+        if self.draft_lookup:
             for guess in lookup_drafts(req.fill_ids, room):
                 guess = usable(guess)
                 if guess:  # the longest n-gram whose continuation is usable at all

@@ -46,9 +46,9 @@ class ServerArgs:
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
     # Constrained decoding
     disable_jump_forward: bool = field(default=False, metadata={"help": "turn off jump-forward"})
-    disable_draft_lookup: bool = field(
-        default=False, metadata={"help": "greedy jump-forward drafts only forced text, not also the "
-                                         "request's earlier tokens (prompt lookup)"}
+    draft_lookup: str = field(
+        default="on", metadata={"help": "on | off: greedy constrained requests also draft what followed their "
+                                        "last tokens earlier (prompt lookup), verified like forced text"}
     )
     grammar_compile_timeout: float = field(default=30.0, metadata={"help": "seconds per compile"})
     json_whitespace: str = field(

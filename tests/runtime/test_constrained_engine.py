@@ -145,8 +145,8 @@ LONG_KEYS = {"type": "object", "properties": {
 @pytest.mark.parametrize("lookup", [False, True], ids=["forced-only", "with-lookup"])
 def test_jump_forward_saves_passes_on_long_forced_keys(default_engine, jump_forward, lookup):
     s = default_engine.scheduler
-    old = s.args.disable_draft_lookup
-    s.args.disable_draft_lookup = not lookup
+    old = s.draft_lookup
+    s.draft_lookup = lookup
     try:
         runs = {}
         for jf in (False, True):
@@ -157,7 +157,7 @@ def test_jump_forward_saves_passes_on_long_forced_keys(default_engine, jump_forw
                                                            "json_schema": json.dumps(LONG_KEYS)})
             runs[jf] = out, s.stats["num_forward_passes"] - before
     finally:
-        s.args.disable_draft_lookup = old
+        s.draft_lookup = old
     (off, passes_off), (on, passes_on) = runs[False], runs[True]
     assert on["output_ids"] == off["output_ids"]
     assert passes_off == len(off["output_ids"])  # one pass per token without jump-forward
