@@ -13,7 +13,7 @@ import numpy as np
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.tokenizer_info import TokenizerInfo
 
-from strand.constrained.automaton import DEAD, _ranges, check_deadline  # noqa: F401  (DEAD re-exported)
+from strand.constrained.automaton import _ranges, check_deadline
 
 
 def literal_char(c: str) -> str:
