@@ -236,6 +236,8 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
     mask = np.zeros((S, W), dtype=np.uint32)
     packed_pure: dict[tuple, np.ndarray] = {}  # (key, d) -> packed row of the tokens taken whole
     walk_q, walk_t, walk_st, walk_off = [], [], [], []
+    parts_lead_o: list[np.ndarray] = []
+    parts_lead_t: list[np.ndarray] = []
     for q, chain in chains.items():
         check_deadline(deadline)
         cls = tt.classify(keys[key_id[q]])
@@ -266,8 +268,34 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
         walk_t.append(rest)
         walk_st.append(chain_arr[kk])
         walk_off.append(tt.char_end[rest, kk])
-    o, t, n = _trie_walk(T, info, np.nonzero(key_id < 0)[0], deadline)
-    parts_o, parts_t, parts_n = [o], [t], [n]
+    # Lead-in states: every live byte is ASCII and leads into the same chain state (the opening
+    # quote of a string, the letter after a backslash). Tokens that start with such a byte and
+    # continue as whole class characters the chain takes are allowed as they are; the other
+    # tokens that start with one are walked.
+    other = np.nonzero(key_id == -1)[0]
+    live = T[other] >= 0
+    first_t = np.where(live, T[other], -1).max(1)
+    single = (np.where(live, T[other], first_t[:, None]) == first_t[:, None]).all(1) & ~live[:, 0x80:].any(1)
+    for q, q2 in zip(other[single & (first_t >= 0)].tolist(), first_t[single & (first_t >= 0)].tolist()):
+        chain = chains.get(q2)
+        if chain is None or key_id[q2] < 0:
+            continue
+        cls = tt.classify(keys[key_id[q2]])
+        bs = np.nonzero(T[q] >= 0)[0]
+        cand = tt.by_first[_ranges(tt.by_first_start[bs], tt.by_first_start[bs + 1])]
+        ok = cls.pure1[cand] & (cls.c1[cand] <= len(chain) - 1)
+        rest = cand[~ok]
+        if len(rest) > _MAX_CHAIN_WALK:
+            continue
+        key_id[q] = -2  # handled here, not by the trie
+        parts_lead_o.append(np.full(int(ok.sum()), q, dtype=np.int64))
+        parts_lead_t.append(cand[ok])
+        walk_q.append(np.full(len(rest), q, dtype=np.int64))
+        walk_t.append(rest)
+        walk_st.append(np.full(len(rest), q, dtype=np.int64))
+        walk_off.append(np.zeros(len(rest), dtype=np.int64))
+    o, t, n = _trie_walk(T, info, np.nonzero(key_id == -1)[0], deadline)
+    parts_o, parts_t, parts_n = [o] + parts_lead_o, [t] + parts_lead_t, [n] + [np.zeros(len(x), np.int64) for x in parts_lead_t]
     if walk_q:
         q_all, t_all = np.concatenate(walk_q), np.concatenate(walk_t)
         st = _walk(T, tt, np.concatenate(walk_st), t_all, np.concatenate(walk_off))

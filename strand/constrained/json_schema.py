@@ -23,9 +23,10 @@ from strand.constrained.automaton import check_deadline, compile_node, intersect
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.fsm import literal_char
 
-# One JSON string character: unescaped, a short escape, or a \u escape outside the surrogate
-# range (so the decoded length equals the number of units, which minLength/maxLength count).
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+# One JSON string character: unescaped or a short escape. \uXXXX escapes are not generated: any
+# character but a control character can be written as itself, and the four hex states they add
+# to every string cost more mask work than they give (a narrowing: every output stays valid).
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
 SAFE_CHAR = r'[^"\\\x00-\x1f]'  # characters that stand for themselves inside a JSON string
 STRING = '"' + STRING_CHAR + '*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"

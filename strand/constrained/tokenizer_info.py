@@ -172,6 +172,10 @@ class TokenTable:
             char_end[t, k + 1 :] = i
         self.codes = codes
         self.char_end = char_end
+        first = np.where(self.usable, self.bytes[:, 0].astype(np.int64), 256)
+        order = np.argsort(first, kind="stable")
+        self.by_first = order  # usable tokens sorted by first byte: by_first_start[b]:by_first_start[b+1]
+        self.by_first_start = np.searchsorted(first[order], np.arange(258))
         self.max_chars = L
         self._classified: dict = {}
         self._lock = threading.Lock()
@@ -208,6 +212,11 @@ class TokenClasses:
         end = table.char_end[np.arange(V), c]
         self.c = c
         self.pure = table.usable & (end == table.length)
+        # the same from the second character on (for a state whose one live byte leads into a
+        # chain): c1 class characters after the first, pure1 = the rest of the token is all such
+        c1 = np.argmin(inside[:, 1:], axis=1)
+        self.c1 = c1
+        self.pure1 = table.usable & (table.char_end[np.arange(V), np.minimum(c1 + 1, inside.shape[1] - 1)] == table.length)
         broken = np.nonzero(table.usable & ~self.pure)[0]
         brk = table.bytes[broken, np.minimum(end[broken], table.bytes.shape[1] - 1)].astype(np.int64)
         key = c[broken] * 256 + brk
