@@ -485,13 +485,3 @@ def intersect(a: Dfa, b: Dfa, deadline: float | None = None) -> Dfa:
     T, acc = prune_and_minimize(T, acc, reachable_known=True, deadline=deadline)
     T, classes = _compress(T, joint.reshape(-1))
     return Dfa(T, classes, acc)
-
-
-def is_empty(node, deadline: float | None = None) -> bool:
-    try:
-        compile_node(node, deadline)
-    except GrammarCompileError as e:
-        if "accepts no string" in str(e):
-            return True
-        raise
-    return False

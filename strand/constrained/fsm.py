@@ -6,32 +6,11 @@ character split across two tokens is just a path through intermediate (mid-chara
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from strand.constrained.automaton import _ranges, check_deadline
 from strand.constrained.errors import GrammarCompileError
 from strand.constrained.tokenizer_info import TokenizerInfo
-
-from strand.constrained.automaton import _ranges, check_deadline
-
-
-def literal_char(c: str) -> str:
-    """A regex (inside or outside a class) matching exactly the char c, in Python's regex syntax."""
-    if ord(c) < 0x20 or ord(c) == 0x7F:
-        return "\\x%02x" % ord(c)
-    if c in "\\.^$|?*+()[]{}-/#&~ \"'!,:;<=>@%`":
-        return "\\" + c
-    return c
-
-
-
-# --- token index ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenIndex:
-    mask: np.ndarray  # uint32 [S, W] allowed tokens per state (EOS included in accepting states)
 
 
 def _trie_walk(T: np.ndarray, info: TokenizerInfo, origins: np.ndarray, deadline: float | None):

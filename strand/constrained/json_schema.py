@@ -21,7 +21,6 @@ import re
 from strand.constrained import regex as R
 from strand.constrained.automaton import check_deadline, compile_node, intersect
 from strand.constrained.errors import GrammarCompileError
-from strand.constrained.fsm import literal_char
 
 # One JSON string character: unescaped or a short escape. \uXXXX escapes are not generated: any
 # character but a control character can be written as itself, and the four hex states they add
@@ -87,10 +86,6 @@ ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null"
 
 NEVER = R.NEVER  # the empty language (e.g. a recursive $ref past the unroll depth)
 SAFE_SET = R.cs_complement(R.cs_union(R.cs_of('"\\'), ((0, 0x1F),)))
-
-
-def regex_escape(s: str) -> str:
-    return "".join(literal_char(c) if not c.isalnum() or ord(c) < 0x20 else c for c in s)
 
 
 def json_literal(value):
@@ -874,7 +869,7 @@ class JsonSchemaConverter:
         scalars = "(?:" + "|".join([STRING, NUMBER, "true", "false", "null"]) + ")"
         if depth <= 0:
             return scalars
-        return _any_value_fsm(scalars, self.lbrace, self.rbrace, self.lbracket, self.rbracket, self.colon, self.comma, depth)
+        return _any_value_dfa(scalars, self.lbrace, self.rbrace, self.lbracket, self.rbracket, self.colon, self.comma, depth)
 
     def object(self, s: dict, refs: tuple, depth: int):
         props: dict = dict(s.get("properties", {}) or {})
@@ -1136,12 +1131,12 @@ class JsonSchemaConverter:
 
 
 @functools.lru_cache(maxsize=32)
-def _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth):
+def _any_value_dfa(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth):
     """Built level by level as minimal DFAs (the regex would repeat the inner value 4x per
     level); cached per whitespace policy and depth."""
     if depth <= 0:
         return ("d", compile_node(_n(scalars)))
-    inner = _any_value_fsm(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth - 1)
+    inner = _any_value_dfa(scalars, lbrace, rbrace, lbracket, rbracket, colon, comma, depth - 1)
     pair = seq(STRING + colon, inner)
     obj = seq(lbrace, opt(seq(pair, rep(seq(comma, pair), 0, None))), rbrace)
     arr = seq(lbracket, opt(seq(inner, rep(seq(comma, inner), 0, None))), rbracket)
