@@ -285,8 +285,12 @@ def test_cache_hit_is_same_object_and_fast(compiler):
 
 
 def test_compile_timeout(info):
-    c = GrammarCompiler(info, timeout_s=0.05)
-    fut = c.compile_async("json", json.dumps({"type": "string", "minLength": 50, "maxLength": 400}))
+    # three counted strings and a free-form object: thousands of DFA states, far past 5 ms
+    slow = {"type": "object", "required": ["a", "b", "c", "d"], "properties": {
+        "a": {"type": "string", "maxLength": 128}, "b": {"type": "string", "minLength": 60, "maxLength": 128},
+        "c": {"type": "string", "maxLength": 127}, "d": {"type": "object"}}}
+    c = GrammarCompiler(info, timeout_s=0.005)
+    fut = c.compile_async("json", json.dumps(slow))
     with pytest.raises(GrammarCompileError, match="timed out"):
         fut.result(timeout=30)
     c.shutdown()
