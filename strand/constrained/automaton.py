@@ -217,6 +217,13 @@ class _Nfa:
                 self.edges[base + q].append((a, b - 1, base + t))
 
 
+def _check_growth(num_states: int, deadline: float | None) -> None:
+    """Called every few hundred states while a DFA is built: the deadline and the size limit."""
+    check_deadline(deadline)
+    if num_states > MAX_DFA_STATES:
+        raise GrammarCompileError(f"grammar too large (over {MAX_DFA_STATES} DFA states)")
+
+
 # --- subset construction --------------------------------------------------------------------------
 
 
@@ -279,9 +286,7 @@ def _determinize(nfa: _Nfa, start: int, final: int, deadline: float | None):
     i = 0
     while i < len(order):
         if i % 256 == 0:
-            check_deadline(deadline)
-            if len(order) > MAX_DFA_STATES:
-                raise GrammarCompileError(f"grammar too large (over {MAX_DFA_STATES} DFA states)")
+            _check_growth(len(order), deadline)
         bits = order[i]
         i += 1
         low = bits & -bits
@@ -461,9 +466,7 @@ def intersect(a: Dfa, b: Dfa, deadline: float | None = None) -> Dfa:
     i = 0
     while i < len(order):
         if i % 256 == 0:
-            check_deadline(deadline)
-            if len(order) > MAX_DFA_STATES:
-                raise GrammarCompileError(f"grammar too large (over {MAX_DFA_STATES} DFA states)")
+            _check_growth(len(order), deadline)
         sa, sb = order[i]
         i += 1
         ta, tb = a.table[sa, ca].tolist(), b.table[sb, cb].tolist()
