@@ -5,14 +5,13 @@ cannot be enforced is refused naming the keyword."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from strand.constrained import GrammarCompileError, GrammarCompiler, TokenizerInfo
 from strand.constrained.json_schema import JsonSchemaConverter
-from tests.test_constrained_grammar import _validator, assert_text_accepted, random_walk
+from tests.test_constrained_grammar import check_schema_walks
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +109,7 @@ SCHEMAS = [
 
 @pytest.mark.parametrize("name,schema,valid", SCHEMAS, ids=[n for n, _, _ in SCHEMAS])
 def test_enforced_keywords_walks_validate(compiler, tok, name, schema, valid):
-    g = compiler.compile("json", json.dumps(schema))
-    v = _validator(schema)
-    for seed in range(4):
-        text, _ = random_walk(g, seed)
-        v.validate(json.loads(text))
-    for inst in valid:
-        v.validate(inst)
-        assert_text_accepted(g, tok, json.dumps(inst, separators=(",", ":"), ensure_ascii=False))
+    check_schema_walks(compiler, tok, schema, valid, seeds=4)
 
 
 @pytest.mark.parametrize("schema,keyword", [
