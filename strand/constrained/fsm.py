@@ -273,15 +273,14 @@ def build_token_index(T: np.ndarray, acc: np.ndarray, info: TokenizerInfo, deadl
         walk_t.append(rest)
         walk_st.append(np.full(len(rest), q, dtype=np.int64))
         walk_off.append(np.zeros(len(rest), dtype=np.int64))
-    o, t, n = _trie_walk(T, info, np.nonzero(key_id == -1)[0], deadline)
-    parts_o, parts_t, parts_n = [o] + parts_lead_o, [t] + parts_lead_t, [n] + [np.zeros(len(x), np.int64) for x in parts_lead_t]
+    o, t, _ = _trie_walk(T, info, np.nonzero(key_id == -1)[0], deadline)
+    parts_o, parts_t = [o] + parts_lead_o, [t] + parts_lead_t
     if walk_q:
         q_all, t_all = np.concatenate(walk_q), np.concatenate(walk_t)
         st = _walk(T, tt, np.concatenate(walk_st), t_all, np.concatenate(walk_off))
         ok = st >= 0
         parts_o.append(q_all[ok])
         parts_t.append(t_all[ok])
-        parts_n.append(st[ok])
     origin, tok = np.concatenate(parts_o), np.concatenate(parts_t)
     _pack(origin, tok.astype(np.int64), S, W, out=mask)
     # A state with no token that is not accepting would need the exact, iterative pruning.
